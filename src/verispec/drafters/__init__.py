@@ -1,0 +1,87 @@
+"""Drafters behind one protocol, built from a ``SpeculativeConfig`` through one registry.
+
+``build_drafter_factory(config, target)`` returns ``make(max_batch, max_len) -> Drafter``: weights
+load once, per-batch state (draft caches) is made per engine.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..spec_config import SpecConfigError, SpecMethod, SpeculativeConfig
+from .base import DraftRequest, Drafter, StatelessDrafter, TargetFeatures
+
+DrafterFactory = Callable[[int, int], Drafter]
+_BUILDERS: dict[SpecMethod, Callable] = {}
+
+
+def register(method: SpecMethod):
+    def deco(fn):
+        _BUILDERS[method] = fn
+        return fn
+    return deco
+
+
+def build_drafter_factory(config: SpeculativeConfig, target) -> DrafterFactory:
+    """``target`` is the ``LoadedModel`` being served."""
+    if config.method not in _BUILDERS:
+        raise SpecConfigError(f"method {config.method.value!r} is not available in this build")
+    return _BUILDERS[config.method](config, target)
+
+
+@register(SpecMethod.NGRAM)
+def _ngram(config: SpeculativeConfig, target) -> DrafterFactory:
+    from .ngram import NgramDrafter
+    drafter = NgramDrafter(config.num_speculative_tokens or 5, config.prompt_lookup_min,
+                           config.prompt_lookup_max, config.num_matches)
+    return lambda max_batch, max_len: drafter
+
+
+@register(SpecMethod.DRAFT_MODEL)
+def _draft_model(config: SpeculativeConfig, target) -> DrafterFactory:
+    from .draft_model import DraftModelDrafter
+    model = _load_draft_model(config, target)
+    k = config.num_speculative_tokens or 4
+    tree = [list(c) for c in config.tree] if config.tree else None
+    return lambda max_batch, max_len: DraftModelDrafter(model, max_batch=max_batch, max_len=max_len,
+                                                        num_speculative_tokens=k, tree=tree)
+
+
+def _load_draft_model(config: SpeculativeConfig, target):
+    from ..models.loading import load_model
+    if config.model == "self":
+        n = config.self_draft_layers
+        if n >= target.config.num_layers:
+            raise SpecConfigError(f"self_draft_layers={n} must be below the target's "
+                                  f"{target.config.num_layers} layers")
+        return self_draft(target.model, n)
+    draft = load_model(config.model, dtype=config.draft_dtype or next(target.model.parameters()).dtype)
+    check_same_vocab(target, draft)
+    return draft.model
+
+
+def self_draft(model, num_layers: int):
+    """A draft model made of the target's first ``num_layers`` layers and its head (shared weights)."""
+    import torch
+    from ..models.transformer import Transformer
+    cfg = model.cfg.replace(num_layers=num_layers)
+    with torch.device("meta"):
+        small = Transformer(cfg)
+    small.embed, small.norm, small.lm_head = model.embed, model.norm, model.lm_head
+    small.layers = torch.nn.ModuleList(list(model.layers[:num_layers]))
+    small.register_buffer("inv_freq", model.inv_freq, persistent=False)
+    return small.eval()
+
+
+def check_same_vocab(target, draft) -> None:
+    """A draft model must share the target's vocabulary and tokenizer."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise SpecConfigError(f"draft model vocab size {draft.config.vocab_size} differs from the "
+                              f"target's {target.config.vocab_size}; speculation needs one tokenizer")
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        raise SpecConfigError("draft model tokenizer differs from the target's "
+                              f"({len(set(tv.items()) ^ set(dv.items()))} differing entries)")
+
+
+__all__ = ["DraftRequest", "Drafter", "StatelessDrafter", "TargetFeatures", "build_drafter_factory",
+           "register", "self_draft", "check_same_vocab"]

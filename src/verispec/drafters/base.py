@@ -1,0 +1,69 @@
+"""The ``Drafter`` protocol: the only thing the engine knows about a drafter.
+
+Life of a sequence in batch row ``row``:
+1. ``start(row, prompt_ids, features)`` after the target prefilled the prompt.
+2. Each step: ``propose(requests)`` returns one ``DraftTree`` per request (may be empty).
+3. After verification: ``accept(row, committed_ids, features)`` with the tokens whose K/V were
+   just committed to the target cache (the previous root plus the accepted draft tokens) and
+   the target features at those positions.
+4. ``release(row)`` when the sequence ends.
+
+``features`` are ``TargetFeatures`` (hidden states of the layers the drafter asked for in
+``hidden_layers``, and the final-normed state when ``needs_last_hidden``), or None.
+Drafters never see the verifier, the target cache or the metrics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..sampling import SamplingParams
+from ..tree import DraftTree
+
+
+@dataclass(frozen=True)
+class TargetFeatures:
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [T, hidden]
+    last_hidden: torch.Tensor | None = None                         # [T, hidden], post final norm
+
+
+@dataclass
+class DraftRequest:
+    row: int                        # batch row of the sequence
+    context: list[int]              # prompt + generated tokens; context[-1] is the root
+    params: SamplingParams
+    generator: torch.Generator      # the sequence's RNG (sampled drafts)
+    max_nodes: int | None = None    # cap on tree size (e.g. near max_tokens); None = drafter's own
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    hidden_layers: tuple[int, ...]
+    needs_last_hidden: bool
+    max_tree_nodes: int             # upper bound on nodes of any proposed tree
+
+    def start(self, row: int, prompt_ids: list[int], features: TargetFeatures | None) -> None: ...
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]: ...
+
+    def accept(self, row: int, committed_ids: list[int], features: TargetFeatures | None) -> None: ...
+
+    def release(self, row: int) -> None: ...
+
+
+class StatelessDrafter:
+    """Base for drafters that need no per-row state beyond the context (n-gram, oracles)."""
+    hidden_layers: tuple[int, ...] = ()
+    needs_last_hidden: bool = False
+    max_tree_nodes: int = 0
+
+    def start(self, row, prompt_ids, features) -> None:
+        pass
+
+    def accept(self, row, committed_ids, features) -> None:
+        pass
+
+    def release(self, row) -> None:
+        pass

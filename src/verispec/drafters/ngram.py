@@ -1,0 +1,70 @@
+"""N-gram prompt-lookup drafter (deterministic: q is one-hot).
+
+Match the last n tokens of the context (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``)
+against earlier positions and propose what followed. With ``num_matches > 1`` the continuations
+of several distinct earlier matches (most recent first) are merged into a tree (a trie: shared
+prefixes become one branch).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..tree import DraftTree
+from .base import DraftRequest, StatelessDrafter
+
+
+class NgramDrafter(StatelessDrafter):
+    def __init__(self, num_speculative_tokens: int = 5, prompt_lookup_min: int = 1,
+                 prompt_lookup_max: int = 4, num_matches: int = 1):
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{prompt_lookup_min}, {prompt_lookup_max}")
+        if num_speculative_tokens < 1 or num_matches < 1:
+            raise ValueError("num_speculative_tokens and num_matches must be >= 1")
+        self.k = num_speculative_tokens
+        self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
+        self.num_matches = num_matches
+        self.max_tree_nodes = num_speculative_tokens * num_matches
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        out = []
+        for r in requests:
+            k = self.k if r.max_nodes is None else min(self.k, r.max_nodes)
+            conts = self.continuations(r.context, k) if k > 0 else []
+            out.append(_trie(conts, (r.max_nodes if r.max_nodes is not None else self.max_tree_nodes)))
+        return out
+
+    def continuations(self, context: list[int], k: int) -> list[list[int]]:
+        """Up to ``num_matches`` distinct continuations (length <= k), longest n-gram first."""
+        ctx = np.asarray(context, dtype=np.int64)
+        found: list[list[int]] = []
+        for n in range(min(self.n_max, len(ctx) - 1), self.n_min - 1, -1):
+            pattern = ctx[-n:]
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)   # excludes the suffix itself
+            hits = np.nonzero((windows == pattern).all(axis=1))[0]
+            for start in hits[::-1]:                                           # most recent first
+                cont = ctx[start + n:start + n + k].tolist()
+                if cont and cont not in found:
+                    found.append(cont)
+                    if len(found) >= self.num_matches:
+                        return found
+            if found:
+                return found
+        return found
+
+
+def _trie(conts: list[list[int]], max_nodes: int) -> DraftTree:
+    toks, pars, index = [], [], {}
+    for cont in conts:
+        parent = -1
+        for i in range(len(cont)):
+            key = tuple(cont[:i + 1])
+            if key not in index:
+                if len(toks) >= max_nodes:
+                    break
+                index[key] = len(toks)
+                toks.append(cont[i])
+                pars.append(parent)
+            parent = index[key]
+    return DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long))

@@ -1,0 +1,263 @@
+"""The speculative decoding loop, for a batch of sequences in rows of one static KV cache.
+
+    prefill ──► [ propose ──► verify ──► accept ──► emit ] ──► done
+
+The engine knows the target ``Transformer``, a ``Drafter`` (or none: vanilla decoding) and the
+verifier. It knows nothing about tokenization (stop strings are checked through an optional
+``decode`` function), HTTP, or which drafter it drives. Continuous batching: ``add`` sequences
+at any time between ``step`` calls; finished sequences free their rows at once.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .drafters.base import DraftRequest, Drafter, TargetFeatures
+from .metrics import SpecStats
+from .models.kv_cache import KVCache
+from .models.transformer import Transformer
+from .sampling import SamplingParams, make_generator, sample, target_probs
+from .tree import DraftTree
+from .verify import accept
+
+PREFILL_CHUNK = 512
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's decoding state. ``context[-1]`` is the root: chosen, not yet in the cache."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_tokens: Callable[["Sequence", list[int]], None] | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    row: int = -1
+    finished: bool = False
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stats: SpecStats = field(default_factory=SpecStats)
+    generator: torch.Generator | None = None
+    root: int = -1
+    first_token_time: float | None = None
+    start_time: float = field(default_factory=time.perf_counter)
+    end_time: float | None = None
+    _stop_text_len: int = 0
+
+
+class Engine:
+    def __init__(self, model: Transformer, drafter: Drafter | None = None, *, max_batch: int,
+                 max_len: int, eos_token_ids: tuple[int, ...] = (),
+                 decode: Callable[[list[int]], str] | None = None,
+                 max_context: int | None = None):
+        """``max_len``: cache slots per row (prompt + output + tree slack). ``max_context``: the
+        model's usable context; generation stops with reason "length" when it is reached."""
+        self.model = model
+        self.drafter = drafter
+        dtype = next(model.parameters()).dtype
+        self.cache = KVCache.for_model(model.cfg, max_batch, max_len, dtype)
+        self.eos = set(eos_token_ids)
+        self.decode = decode
+        self.max_context = min(max_context or max_len, max_len - 1 - self._tree_slack())
+        self.free_rows = list(range(max_batch))[::-1]
+        self.running: list[Sequence] = []
+        self.stats = SpecStats()
+
+    def _tree_slack(self) -> int:
+        return self.drafter.max_tree_nodes if self.drafter is not None else 0
+
+    # ------------------------------------------------------------------ admission and prefill
+    def can_admit(self) -> bool:
+        return bool(self.free_rows)
+
+    def add(self, seq: Sequence) -> None:
+        """Prefill ``seq`` into a free row and choose its first token."""
+        n = len(seq.prompt_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n >= self.max_context:
+            raise ValueError(f"prompt has {n} tokens; the context holds {self.max_context}")
+        if not self.free_rows:
+            raise RuntimeError("no free batch row; check can_admit() first")
+        seq.row = self.free_rows.pop()
+        seq.generator = seq.generator or make_generator(seq.params.seed)
+        self.cache.reset(seq.row)
+        logits, feats = self._prefill(seq.row, seq.prompt_ids)
+        seq.root = self._sample(logits, seq)
+        self.running.append(seq)
+        if self.drafter is not None:
+            self.drafter.start(seq.row, list(seq.prompt_ids), feats)
+        self._emit(seq, [seq.root])
+
+    def _prefill(self, row: int, ids: list[int]) -> tuple[torch.Tensor, TargetFeatures | None]:
+        rows = torch.tensor([row])
+        layers, want_last = self._feature_request()
+        hid_parts, last_parts, logits = {i: [] for i in layers}, [], None
+        for s in range(0, len(ids), PREFILL_CHUNK):
+            chunk = torch.tensor([ids[s:s + PREFILL_CHUNK]])
+            pos = torch.arange(s, s + chunk.shape[1])[None]
+            is_last = s + PREFILL_CHUNK >= len(ids)
+            out = self.model(chunk, pos, self.cache, rows=rows, hidden_layers=layers,
+                             logits_index=torch.tensor([[chunk.shape[1] - 1]]), compute_logits=is_last)
+            self.cache.advance(rows, chunk.shape[1])
+            for i in layers:
+                hid_parts[i].append(out.hidden[i][0])
+            if want_last:
+                last_parts.append(out.last_hidden[0])
+            logits = out.logits[0, -1] if is_last else logits
+        feats = None
+        if layers or want_last:
+            feats = TargetFeatures({i: torch.cat(v) for i, v in hid_parts.items()},
+                                   torch.cat(last_parts) if want_last else None)
+        return logits, feats
+
+    def _feature_request(self) -> tuple[tuple[int, ...], bool]:
+        if self.drafter is None:
+            return (), False
+        return tuple(self.drafter.hidden_layers), bool(self.drafter.needs_last_hidden)
+
+    def _sample(self, logits: torch.Tensor, seq: Sequence) -> int:
+        if seq.params.greedy:
+            return int(logits.argmax())
+        return sample(target_probs(logits, seq.params), seq.generator)
+
+    # ------------------------------------------------------------------ one decoding step
+    def step(self) -> list[Sequence]:
+        """One draft-verify-accept step for every running sequence; returns those touched."""
+        seqs = [s for s in self.running if not s.finished]
+        if not seqs:
+            return []
+        # 1) propose
+        t0 = time.perf_counter()
+        trees = self._propose(seqs)
+        t1 = time.perf_counter()
+        # 2) verify: one target forward over (root, tree nodes) of every row
+        out, rows = self._verify_forward(seqs, trees)
+        t2 = time.perf_counter()
+        # 3) accept, compact, hand the drafter its tokens and features, emit
+        for b, (seq, tree) in enumerate(zip(seqs, trees)):
+            res = accept(tree, out.logits[b, :len(tree) + 1], seq.params, seq.generator)
+            keep = torch.tensor([0] + [n + 1 for n in res.nodes])
+            self.cache.compact(seq.row, keep)
+            committed = [seq.root] + res.tokens[:-1]
+            depth = int(tree.depth.max()) if len(tree) else 0
+            seq.stats.observe(len(tree), depth, res.num_accepted)
+            self.stats.observe(len(tree), depth, res.num_accepted)
+            if self.drafter is not None:
+                self.drafter.accept(seq.row, committed, self._features(out, b, keep))
+            seq.root = res.tokens[-1]
+            self._emit(seq, res.tokens)
+        t3 = time.perf_counter()
+        self.stats.draft_time_s += t1 - t0
+        self.stats.verify_time_s += t2 - t1
+        for s in seqs:
+            s.stats.draft_time_s += t1 - t0
+            s.stats.verify_time_s += t3 - t1
+        return seqs
+
+    def _propose(self, seqs: list[Sequence]) -> list[DraftTree]:
+        if self.drafter is None:
+            return [DraftTree.empty() for _ in seqs]
+        reqs = [DraftRequest(s.row, s.prompt_ids + s.output_ids, s.params, s.generator,
+                             max_nodes=self._room(s)) for s in seqs]
+        trees = self.drafter.propose(reqs)
+        out = []
+        for s, t in zip(seqs, trees):
+            if len(t) > self.drafter.max_tree_nodes:
+                raise RuntimeError(f"drafter proposed {len(t)} nodes, more than its max_tree_nodes "
+                                   f"{self.drafter.max_tree_nodes}")
+            out.append(t)
+        return out
+
+    def _room(self, seq: Sequence) -> int:
+        """Draft tokens worth proposing: never more than what max_tokens and context leave."""
+        left_tokens = seq.params.max_tokens - len(seq.output_ids)
+        left_ctx = self.max_context - len(seq.prompt_ids) - len(seq.output_ids)
+        return max(0, min(left_tokens, left_ctx) - 1)
+
+    def _verify_forward(self, seqs, trees):
+        t = 1 + max(len(tr) for tr in trees)
+        b = len(seqs)
+        tokens = torch.zeros(b, t, dtype=torch.long)
+        positions = torch.zeros(b, t, dtype=torch.long)
+        mask = torch.eye(t, dtype=torch.bool).repeat(b, 1, 1)
+        rows = torch.tensor([s.row for s in seqs])
+        lengths = self.cache.lengths[rows].tolist()
+        for i, (seq, tree) in enumerate(zip(seqs, trees)):
+            n = len(tree) + 1
+            tokens[i, 0] = seq.root
+            tokens[i, 1:n] = tree.tokens
+            positions[i, :n] = tree.positions(lengths[i])
+            positions[i, n:] = lengths[i]
+            mask[i, :n, :n] = tree.ancestor_mask()
+        layers, want_last = self._feature_request()
+        out = self.model(tokens, positions, self.cache, attn_mask=mask, rows=rows, hidden_layers=layers)
+        return out, rows
+
+    def _features(self, out, b: int, keep: torch.Tensor) -> TargetFeatures | None:
+        layers, want_last = self._feature_request()
+        if not layers and not want_last:
+            return None
+        return TargetFeatures({i: out.hidden[i][b, keep] for i in layers},
+                              out.last_hidden[b, keep] if want_last else None)
+
+    # ------------------------------------------------------------------ output and retirement
+    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append tokens up to the first stop condition; notify; retire if finished."""
+        new: list[int] = []
+        p = seq.params
+        for tok in tokens:
+            if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+                self._finish(seq, "stop")
+                break
+            new.append(tok)
+            seq.output_ids.append(tok)
+            if p.stop and self._hit_stop_string(seq):
+                self._finish(seq, "stop")
+                break
+            if len(seq.output_ids) >= p.max_tokens or \
+                    len(seq.prompt_ids) + len(seq.output_ids) >= self.max_context:
+                self._finish(seq, "length")
+                break
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        if seq.on_tokens is not None and (new or seq.finished):
+            seq.on_tokens(seq, new)
+        if seq.finished:
+            self._release(seq)
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        if self.decode is None:
+            return False
+        text = self.decode(seq.output_ids)
+        return any(s in text for s in seq.params.stop)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finished, seq.finish_reason = True, reason
+        seq.end_time = time.perf_counter()
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.reset(seq.row)
+            if self.drafter is not None:
+                self.drafter.release(seq.row)
+            self.free_rows.append(seq.row)
+
+    def abort(self, seq: Sequence) -> None:
+        """Cancel a running sequence and free its row (e.g. a client disconnected)."""
+        if not seq.finished:
+            self._finish(seq, "abort")
+        self._release(seq)
+
+    def run(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Decode ``seqs`` to completion, admitting them as rows free up."""
+        waiting = list(seqs)
+        while waiting or self.running:
+            while waiting and self.can_admit():
+                self.add(waiting.pop(0))
+            self.step()
+        return seqs

@@ -1,0 +1,153 @@
+"""Public API shaped like vLLM's: ``LLM(model, speculative_config=...)``, ``generate``, ``chat``.
+
+This is the only layer that knows the tokenizer: it turns prompts into token ids, runs the
+``Engine`` and turns ids back into text (stop strings cut the text, as in vLLM).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence as Seq
+
+import torch
+
+from .drafters import build_drafter_factory
+from .engine import Engine, Sequence
+from .metrics import SpecStats
+from .models.loading import LoadedModel, load_model
+from .sampling import SamplingParams
+from .spec_config import SpeculativeConfig
+
+PromptType = str | dict
+
+
+@dataclass
+class RequestMetrics:
+    tokens_per_second: float
+    num_output_tokens: int
+    time_s: float
+    time_to_first_token_s: float
+    num_steps: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    mean_acceptance_length: float          # bonus token included
+    acceptance_rate_per_pos: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: RequestMetrics
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
+                 speculative_config: dict | str | SpeculativeConfig | None = None,
+                 max_num_seqs: int = 8, max_model_len: int | None = None, num_threads: int | None = None,
+                 loaded: LoadedModel | None = None):
+        """``loaded`` lets several LLMs share one loaded target (tests, benchmarks)."""
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.target = loaded or load_model(model, dtype=dtype)
+        self.tokenizer = self.target.tokenizer
+        self.spec = SpeculativeConfig.from_dict(speculative_config)
+        self._make_drafter = build_drafter_factory(self.spec, self.target) if self.spec else None
+        ctx = self.target.config.max_position_embeddings
+        self.max_model_len = min(max_model_len or ctx, ctx)
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = tuple(self.target.config.eos_token_ids) or \
+            ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+
+    # -- prompts ---------------------------------------------------------------------------
+    def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            ids = prompt.get("prompt_token_ids")
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise ValueError("a dict prompt needs 'prompt_token_ids': a list of ints")
+            bad = [i for i in ids if not 0 <= i < self.target.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids out of vocabulary range: {bad[:5]}")
+            text = None
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer(prompt).input_ids
+        else:
+            raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                             "tokens (prompt plus at least one generated token)")
+        return text, ids
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    # -- generation ------------------------------------------------------------------------
+    def make_engine(self, max_batch: int, max_len: int) -> Engine:
+        drafter = self._make_drafter(max_batch, max_len) if self._make_drafter else None
+        slack = (drafter.max_tree_nodes if drafter else 0) + 2
+        return Engine(self.target.model, drafter, max_batch=max_batch, max_len=max_len + slack,
+                      eos_token_ids=self.eos_token_ids, decode=self._decode,
+                      max_context=self.max_model_len)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 on_tokens: Callable[[int, list[int]], Any] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt. ``on_tokens(index, new_ids)`` streams each step's tokens."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        encoded = [self.encode_prompt(p) for p in prompts]
+        seqs = []
+        for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
+            cb = (lambda s, new, i=i: on_tokens(i, new)) if on_tokens else None
+            seqs.append(Sequence(prompt_ids=ids, params=sp, on_tokens=cb))
+        need = max(min(len(s.prompt_ids) + s.params.max_tokens, self.max_model_len) for s in seqs)
+        engine = self.make_engine(min(len(seqs), self.max_num_seqs), need)
+        t0 = time.perf_counter()
+        for s in seqs:
+            s.start_time = t0
+        engine.run(seqs)
+        return [self._output(s, text) for s, (text, _) in zip(seqs, encoded)]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, **kw) -> list[RequestOutput]:
+        """Apply the chat template to each conversation and generate."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        prompts = [{"prompt_token_ids": self.tokenizer(self.apply_chat_template(m), add_special_tokens=False).input_ids}
+                   for m in messages]
+        return self.generate(prompts, sampling_params, **kw)
+
+    def _output(self, seq: Sequence, prompt_text: str | None) -> RequestOutput:
+        text = self._decode(seq.output_ids)
+        for s in seq.params.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        elapsed = (seq.end_time or time.perf_counter()) - seq.start_time
+        st: SpecStats = seq.stats
+        m = RequestMetrics(
+            tokens_per_second=len(seq.output_ids) / elapsed if elapsed > 0 else 0.0,
+            num_output_tokens=len(seq.output_ids), time_s=elapsed,
+            time_to_first_token_s=(seq.first_token_time or seq.start_time) - seq.start_time,
+            num_steps=st.num_steps, num_drafts=st.num_drafts, num_draft_tokens=st.num_draft_tokens,
+            num_accepted_tokens=st.num_accepted_tokens, mean_acceptance_length=st.mean_acceptance_length,
+            acceptance_rate_per_pos=st.acceptance_rate_per_pos)
+        return RequestOutput(seq.seq_id, prompt_text, list(seq.prompt_ids), text, list(seq.output_ids),
+                             seq.finish_reason or "length", m)

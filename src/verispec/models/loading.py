@@ -1,0 +1,103 @@
+"""Build a ready ``Transformer`` (and its tokenizer) from a model argument.
+
+A model argument is a known name (see ``sources``), a ``.gguf`` file or a Hugging Face folder.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .transformer import Transformer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    format: str            # "gguf" | "hf"
+    config: ModelConfig
+    model: Transformer
+    tokenizer: object      # a transformers PreTrainedTokenizer(Fast)
+
+
+def build_transformer(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+    """Instantiate without initialising random weights, then load ``state`` strictly."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device="cpu")
+    model.inv_freq = _inv_freq(cfg)
+    expected = set(model.state_dict().keys())
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+    for name, param in model.state_dict().items():
+        if name in state and tuple(state[name].shape) != tuple(param.shape):
+            raise ValueError(f"tensor {name}: checkpoint shape {tuple(state[name].shape)}, "
+                             f"model expects {tuple(param.shape)}")
+    model.load_state_dict(state, strict=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    from .transformer import rope_inv_freq
+    return rope_inv_freq(cfg)
+
+
+def load_tokenizer(path: Path, fmt: str):
+    """Tokenizer and chat template through transformers. Building one from GGUF metadata takes
+    seconds, so the result is saved once under the cache folder, keyed by file size and mtime."""
+    from transformers import AutoTokenizer
+    import transformers.utils.logging as hf_logging
+    from .sources import cache_dir
+    hf_logging.set_verbosity_error()
+    if fmt != "gguf":
+        return AutoTokenizer.from_pretrained(str(path))
+    st = path.stat()
+    saved = cache_dir() / "tokenizers" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
+    if (saved / "tokenizer_config.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(saved))
+        except Exception:  # noqa: BLE001 - a broken cache entry is rebuilt below
+            pass
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tmp = saved.with_name(saved.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, saved) if not saved.exists() else shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass   # read-only cache: the tokenizer still works, it is just rebuilt next time
+    return tok
+
+
+def load_model(model: str | Path, dtype: str | torch.dtype = "float32",
+               with_tokenizer: bool = True) -> LoadedModel:
+    """Resolve ``model`` (known name, GGUF file or HF folder) and load weights and tokenizer."""
+    from .gguf_loader import load_gguf
+    from .hf_loader import load_hf_folder
+    from .sources import resolve_model
+    src = resolve_model(model)
+    cfg, state = load_gguf(src.path) if src.format == "gguf" else load_hf_folder(src.path)
+    net = build_transformer(cfg, state, parse_dtype(dtype))
+    tok = load_tokenizer(src.path, src.format) if with_tokenizer else None
+    return LoadedModel(name=src.name, path=src.path, format=src.format, config=cfg, model=net, tokenizer=tok)

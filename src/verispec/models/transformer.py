@@ -1,0 +1,184 @@
+"""A compact decoder-only transformer we own (Llama family: Llama, SmolLM2, Qwen2, Mistral).
+
+One forward serves prefill, decode and draft-tree verification:
+
+    forward(tokens [B,T], positions [B,T], cache, attn_mask=None) -> ModelOutput
+
+- ``positions`` are RoPE positions (for a tree: cache length + depth, so siblings share one).
+- With a ``cache``, the T new keys/values are written to scratch slots ``lengths[row] + 0..T-1``
+  (see ``kv_cache``); each query sees every committed slot of its row plus the new tokens allowed
+  by ``attn_mask [B,T,T]`` (bool, True = may attend; default causal). Lengths are not changed.
+- Without a cache, the forward is a plain full-sequence forward (causal unless ``attn_mask``).
+- ``hidden_layers``: the outputs of these decoder layers (0-based) are returned in
+  ``ModelOutput.hidden`` (EAGLE-3 fuses layers 1, N/2-1, N-4); ``ModelOutput.last_hidden`` is the
+  final-normed state the LM head reads (EAGLE-1, Medusa).
+Knows nothing about drafters, trees or sampling.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, UnsupportedModelError
+from .kv_cache import KVCache
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None                  # [B, T, V] (or [B, K, V] with logits_index)
+    last_hidden: torch.Tensor                    # [B, T, hidden] after the final norm
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [B, T, hidden]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] with the config's theta and scaling (default, linear, llama3)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind in ("default", None):
+        return inv.float()
+    if kind == "linear":
+        return (inv / float(sc["factor"])).float()
+    if kind == "llama3":
+        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
+    raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default, linear, llama3 are)")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B,H,T,D]; cos/sin [B,1,T,D] (HF half-rotation layout)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.h, self.kvh, self.d = layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden_size, self.h * self.d, bias=cfg.attention_bias)
+        self.wk = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=cfg.attention_bias)
+        self.wv = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=cfg.attention_bias)
+        self.wo = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, rows, slots, used):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.h, self.d).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.kvh, self.d).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.kvh, self.d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            cache.write(self.layer, rows, slots, k, v)
+            k, v = cache.read(self.layer, rows, used)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kvh != self.h)
+        return self.wo(out.transpose(1, 2).reshape(b, t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.w_up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, rows, slots, used):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, rows, slots, used)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def build_mask(lengths: torch.Tensor, used: int, new_mask: torch.Tensor) -> torch.Tensor:
+    """[B,1,T,used] bool: committed slots of the row plus the allowed new tokens."""
+    b, t, _ = new_mask.shape
+    slot = torch.arange(used, device=lengths.device)[None, None, :]            # [1,1,S]
+    rel = slot - lengths[:, None, None]                                        # [B,1,S]
+    prefix = rel < 0
+    in_new = (rel >= 0) & (rel < t)
+    gathered = torch.gather(new_mask, 2, rel.clamp(0, t - 1).expand(b, t, used))
+    return (prefix | (in_new & gathered))[:, None]
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[..., None].float() * self.inv_freq            # [B,T,D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]                 # [B,1,T,D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+                attn_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                hidden_layers: tuple[int, ...] = (), logits_index: torch.Tensor | None = None,
+                compute_logits: bool = True) -> ModelOutput:
+        """See the module docstring. ``rows [B]``: cache rows of the batch (default 0..B-1).
+        ``logits_index [B,K]``: compute logits only at these positions of T."""
+        b, t = tokens.shape
+        dev = tokens.device
+        new_mask = attn_mask if attn_mask is not None else \
+            torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
+        if cache is not None:
+            rows = torch.arange(b, device=dev) if rows is None else rows
+            cache.check_room(rows, t)
+            lengths = cache.lengths[rows]
+            slots = lengths[:, None] + torch.arange(t, device=dev)
+            used = int(lengths.max()) + t
+            mask = build_mask(lengths, used, new_mask)
+        else:
+            slots, used = None, t
+            mask = new_mask[:, None]
+        x = self.embed(tokens)
+        cos, sin = self.rope(positions, x.dtype)
+        hidden = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, rows, slots, used)
+            if i in hidden_layers:
+                hidden[i] = x
+        x = self.norm(x)
+        logits = None
+        if compute_logits:
+            sel = x if logits_index is None else torch.gather(
+                x, 1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
+            logits = self.lm_head(sel)
+        return ModelOutput(logits=logits, last_hidden=x, hidden=hidden)

@@ -1,0 +1,79 @@
+"""Sampling parameters (named as vLLM names them) and logits processing.
+
+``target_probs`` turns logits into the distribution a token is drawn from. The verifier applies
+it to the target and every sampling drafter applies it to its own logits, so temperature, top-k
+and top-p act on target and draft the same way. Knows nothing about models or drafters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters (vLLM names and defaults where they make sense).
+
+    temperature 0 means greedy. ``top_k`` <= 0 and ``top_p`` == 1 disable those filters.
+    ``stop``: strings that end generation (not included in the text). ``seed``: per-request RNG.
+    """
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (self.temperature >= 0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Distribution [..., V] (float32) after temperature, top-k and top-p. Greedy: one-hot argmax."""
+    logits = logits.float()
+    if params.greedy:
+        out = torch.zeros_like(logits)
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop_sorted = (cum - sorted_p) >= params.top_p      # keep the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a 1-D distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+    return g
