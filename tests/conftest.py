@@ -1,0 +1,42 @@
+"""Shared fixtures: the default target model is loaded once per test session."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("VERISPEC_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def target():
+    """SmolLM2-135M-Instruct (fp32) as a ``LoadedModel``: .model, .tokenizer, .config."""
+    from verispec.models.loading import load_model
+    return load_model("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def llm(target):
+    from verispec import LLM
+    return LLM(loaded=target)
+
+
+@pytest.fixture(scope="session")
+def spec_bench():
+    from verispec.data import spec_bench_questions
+    return spec_bench_questions()
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(target, spec_bench):
+    """Token ids of Spec-Bench first turns with the chat template applied, one per category first."""
+    from verispec.data import per_category
+    qs = per_category(spec_bench, 2)
+    tok = target.tokenizer
+    out = []
+    for q in qs:
+        text = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
+                                       add_generation_prompt=True)
+        out.append(tok(text, add_special_tokens=False).input_ids)
+    return out
