@@ -109,5 +109,5 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             w = _unpermute(w, cfg.num_heads)
         elif cfg.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, cfg.num_kv_heads)
-        state[ours] = torch.from_numpy(np.ascontiguousarray(w))
+        state[ours] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
     return cfg, state

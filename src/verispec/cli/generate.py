@@ -1,0 +1,126 @@
+"""``verispec generate`` (one prompt) and ``verispec chat`` (interactive)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default: %(default)s)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate a completion for one prompt",
+                       description="Generate text for one prompt, optionally with speculative decoding.")
+    _common(g)
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, metrics)")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat in the terminal",
+                       description="Interactive chat; type /exit (or end input) to quit, /reset to clear history.")
+    _common(c)
+    c.add_argument("--system", default=None, help="system message")
+    c.set_defaults(func=cmd_chat)
+
+
+def _params(args):
+    from ..sampling import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _llm(args):
+    from .. import LLM
+    return LLM(model=args.model, dtype=args.dtype, speculative_config=args.speculative_config,
+               num_threads=args.threads, max_num_seqs=1)
+
+
+def _errors(fn):
+    def wrapped(args) -> int:
+        from ..models.sources import ModelSourceError
+        try:
+            return fn(args)
+        except (ValueError, ModelSourceError) as e:
+            print(f"verispec {args.command}: error: {e}", file=sys.stderr)
+            return 2
+    return wrapped
+
+
+@_errors
+def cmd_generate(args) -> int:
+    params = _params(args)
+    llm = _llm(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = {"prompt_token_ids": llm.tokenizer(llm.apply_chat_template(
+            [{"role": "user", "content": prompt}]), add_special_tokens=False).input_ids}
+    printer = _StreamPrinter(llm) if args.stream and not args.json else None
+    out = llm.generate([prompt], params, on_tokens=printer)[0]
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "metrics": vars(out.metrics)}))
+        return 0
+    if printer is None:
+        print(out.text)
+    else:
+        print()
+    m = out.metrics
+    spec = f", mean acceptance length {m.mean_acceptance_length:.2f}" if m.num_drafts else ""
+    print(f"[{m.num_output_tokens} tokens in {m.time_s:.2f}s: {m.tokens_per_second:.1f} tokens/s{spec}]",
+          file=sys.stderr)
+    return 0
+
+
+class _StreamPrinter:
+    """Prints the new suffix of the decoded output after each step."""
+
+    def __init__(self, llm):
+        self.llm, self.ids, self.shown = llm, [], ""
+
+    def __call__(self, index: int, new_ids: list[int]) -> None:
+        self.ids.extend(new_ids)
+        text = self.llm._decode(self.ids)
+        if not text.endswith("\ufffd"):
+            print(text[len(self.shown):], end="", flush=True)
+            self.shown = text
+
+
+@_errors
+def cmd_chat(args) -> int:
+    params = _params(args)
+    llm = _llm(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("verispec chat: /exit to quit, /reset to clear the conversation.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        printer = _StreamPrinter(llm)
+        out = llm.chat([history], params, on_tokens=printer)[0]
+        print()
+        history.append({"role": "assistant", "content": out.text})

@@ -1,0 +1,282 @@
+"""EAGLE draft heads (nn.Modules): the EAGLE-1 feature predictor and the EAGLE-3 (and 3.1) head.
+
+Alignment, stated once: an EAGLE head reads *pairs* (feature at position t, token at position
+t+1) and its output at that pair predicts the token at position t+2. The pair sits at RoPE
+position t (the feature's position). Target features come from the target forward that computed
+position t; for draft depth k > 1 the feature is the head's own output hidden state at the
+parent pair (no target feature exists yet). This is the shift EAGLE, SpecForge and vLLM train
+and serve with (``input_ids[1:]`` against ``hidden_states[:-1]``).
+
+Heads share one interface, used by ``eagle.EagleDrafter``:
+- ``hidden_layers`` / ``needs_last_hidden``: the target features the head reads;
+- ``fuse(features) -> [T, h]``: turn target features at T positions into the head's input state
+  (EAGLE-3: per-layer RMSNorm when ``fc_norm``, concatenation, ``fc``; EAGLE-1: the last hidden);
+- ``forward(tokens, positions, hidden, cache, ...) -> HeadOutput``: ``hidden`` [B,T,h] is the
+  fused target feature or the head's own fed-back state; the output gives the state to feed to
+  the children and draft-vocabulary logits;
+- ``draft_to_target(ids)``: draft-vocabulary ids to target ids (EAGLE-3 ``d2t``: i + d2t[i]).
+
+Architectures (names as in the official checkpoints, mapped in ``verispec.checkpoints``):
+- EAGLE-3: ``x = fc(concat(f_low, f_mid, f_high))``; one Llama layer whose q/k/v read
+  ``concat(input_layernorm(embed(token)), hidden_norm(x))`` (2h) with residual ``x``;
+  logits ``lm_head(norm(out))`` over the draft vocabulary; fed back: ``out`` (EAGLE-3) or
+  ``norm(out)`` (EAGLE-3.1 ``norm_output``).
+- EAGLE-1: ``x = fc(concat(embed(token), feature))`` (2h -> h, optional bias); one Llama layer
+  without input norm (as in the EAGLE repo); ``out`` predicts the next target feature, the
+  target's ``lm_head`` turns it into logits; fed back: ``out``.
+The head keeps its own one-layer ``KVCache``; draft-tree nodes are written as scratch slots after
+the committed ones and never committed (see ``eagle.py``).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.config import ModelConfig
+from ..models.kv_cache import KVCache
+from ..models.transformer import MLP, Attention, RMSNorm, rope_inv_freq
+from .base import TargetFeatures
+
+
+class HeadKind(str, enum.Enum):
+    EAGLE1 = "eagle1"
+    EAGLE3 = "eagle3"
+
+
+@dataclass(frozen=True)
+class EagleHeadConfig:
+    kind: HeadKind
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int                        # target vocabulary
+    draft_vocab_size: int                  # rows of the EAGLE-3 lm_head (EAGLE-1: = vocab_size)
+    target_hidden_size: int
+    target_num_layers: int
+    aux_layer_ids: tuple[int, ...] = ()    # EAGLE-3, vLLM convention: id k = output of layer k-1
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    attention_bias: bool = False
+    fc_bias: bool = False                  # EAGLE-1 fc bias (the EAGLE repo has one)
+    fc_norm: bool = False                  # EAGLE-3.1: RMSNorm per fused feature before fc
+    norm_output: bool = False              # EAGLE-3.1: feed back the post-norm hidden state
+    own_embedding: bool = False            # False: share the target's token embedding
+
+    def __post_init__(self) -> None:
+        if self.kind is HeadKind.EAGLE3:
+            if not self.aux_layer_ids:
+                raise ValueError("an EAGLE-3 head needs aux_layer_ids")
+            bad = [k for k in self.aux_layer_ids if not 1 <= k <= self.target_num_layers]
+            if bad:
+                raise ValueError(f"aux hidden state layer ids {bad} out of range 1..{self.target_num_layers} "
+                                 "(id k = output of target layer k-1; 0 would be the embeddings)")
+        if not self.own_embedding and self.hidden_size != self.target_hidden_size:
+            raise ValueError("a head without its own embed_tokens shares the target's, so its hidden size "
+                             f"{self.hidden_size} must equal the target's {self.target_hidden_size}")
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Our 0-based decoder-layer outputs (``ModelOutput.hidden`` keys) for the aux ids."""
+        return tuple(k - 1 for k in self.aux_layer_ids)
+
+    def layer_config(self) -> ModelConfig:
+        """A one-layer ``ModelConfig`` for RoPE and the head's ``KVCache``."""
+        return ModelConfig(arch="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           max_position_embeddings=self.max_position_embeddings, rope_theta=self.rope_theta,
+                           rope_scaling=self.rope_scaling, rms_norm_eps=self.rms_norm_eps,
+                           attention_bias=self.attention_bias)
+
+    @staticmethod
+    def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+        """EAGLE / SpecForge / vLLM default: outputs of layers 1, N/2-1, N-4 (ids 2, N/2, N-3)."""
+        return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass
+class HeadOutput:
+    hidden: torch.Tensor            # [B, T, h] state to feed to children (EAGLE-3.1: post-norm)
+    logits: torch.Tensor | None     # [B, T or K, draft_vocab] at ``logits_at`` (all T if None)
+
+
+class WideAttention(Attention):
+    """Llama attention whose q/k/v read ``in_dim`` features (EAGLE-3: 2h) and write back h."""
+
+    def __init__(self, cfg: ModelConfig, in_dim: int):
+        nn.Module.__init__(self)
+        self.layer, self.h, self.kvh, self.d = 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(in_dim, self.h * self.d, bias=cfg.attention_bias)
+        self.wk = nn.Linear(in_dim, self.kvh * self.d, bias=cfg.attention_bias)
+        self.wv = nn.Linear(in_dim, self.kvh * self.d, bias=cfg.attention_bias)
+        self.wo = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+
+
+def attention_plan(cache: KVCache | None, rows: torch.Tensor | None, t: int, scratch: int,
+                   local_mask: torch.Tensor | None, b: int):
+    """Slots, used length and the [B,1,T,used] bool mask for T new tokens.
+
+    With a cache, row r's committed slots ``< lengths[r]`` are visible to every new token; the
+    ``scratch`` slots after them (earlier tree levels, never committed) and the T new tokens
+    (written at ``lengths[r] + scratch + 0..T-1``) are visible as ``local_mask [B, T, scratch+T]``
+    says (default: causal over the new tokens, no scratch)."""
+    if local_mask is None:
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        local_mask = torch.cat([torch.zeros(t, scratch, dtype=torch.bool), causal], 1).expand(b, t, scratch + t)
+    if cache is None:
+        return None, t, local_mask[:, None, :, scratch:]
+    cache.check_room(rows, scratch + t)
+    lengths = cache.lengths[rows]
+    slots = lengths[:, None] + scratch + torch.arange(t)
+    used = int(lengths.max()) + scratch + t
+    rel = torch.arange(used)[None, None, :] - lengths[:, None, None]            # [B,1,used]
+    width = scratch + t
+    inside = (rel >= 0) & (rel < width)
+    local = torch.gather(local_mask, 2, rel.clamp(0, width - 1).expand(b, t, used))
+    return slots, used, ((rel < 0) | (inside & local))[:, None]
+
+
+class _HeadBase(nn.Module):
+    """Shared parts: token embedding (own or the target's), RoPE, cache, vocabulary map."""
+
+    def __init__(self, cfg: EagleHeadConfig, target_embed: torch.Tensor | None):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.own_embedding:
+            self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size).normal_(0, 0.02))
+        else:
+            if target_embed is None:
+                raise ValueError("a head without its own embedding needs the target's embedding weight")
+            self.register_buffer("embed_tokens", target_embed, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.layer_config()), persistent=False)
+
+    def new_cache(self, max_batch: int, max_len: int) -> KVCache:
+        return KVCache.for_model(self.cfg.layer_config(), max_batch, max_len, self.embed_tokens.dtype)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed_tokens)
+
+    @staticmethod
+    def _select(x: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor:
+        if logits_at is None:
+            return x
+        return torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+
+
+class Eagle3Head(_HeadBase):
+    hidden_layers: tuple[int, ...]
+    needs_last_hidden = False
+
+    def __init__(self, cfg: EagleHeadConfig, target_embed: torch.Tensor | None = None):
+        super().__init__(cfg, target_embed)
+        lc = cfg.layer_config()
+        h, n_aux = cfg.hidden_size, len(cfg.aux_layer_ids)
+        self.hidden_layers = cfg.hidden_layers
+        self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(n_aux)) \
+            if cfg.fc_norm else None
+        self.fc = nn.Linear(n_aux * cfg.target_hidden_size, h, bias=False)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.attn = WideAttention(lc, 2 * h)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(lc)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool)
+                             if cfg.draft_vocab_size == cfg.vocab_size else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def fuse(self, features: TargetFeatures) -> torch.Tensor:
+        """[T, h] from the aux target features at T positions."""
+        parts = [features.hidden[i] for i in self.hidden_layers]
+        if self.fc_norm is not None:
+            parts = [norm(p) for norm, p in zip(self.fc_norm, parts)]
+        return self.fc(torch.cat(parts, dim=-1).to(self.fc.weight.dtype))
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids + self.d2t[ids]
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                cache: KVCache | None = None, rows: torch.Tensor | None = None, scratch: int = 0,
+                local_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
+                compute_logits: bool = True) -> HeadOutput:
+        """``tokens``/``positions`` [B,T] (target ids), ``hidden`` [B,T,h]; see ``attention_plan``."""
+        b, t = tokens.shape
+        rows = torch.arange(b) if rows is None and cache is not None else rows
+        slots, used, mask = attention_plan(cache, rows, t, scratch, local_mask, b)
+        cos, sin = self._rope(positions, hidden.dtype)
+        x = torch.cat([self.input_layernorm(self._embed(tokens)), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.attn(x, cos, sin, mask, cache, rows, slots, used)
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        normed = self.norm(h)
+        logits = self.lm_head(self._select(normed, logits_at)) if compute_logits else None
+        return HeadOutput(normed if self.cfg.norm_output else h, logits)
+
+
+class Eagle1Head(_HeadBase):
+    hidden_layers: tuple[int, ...] = ()
+    needs_last_hidden = True
+
+    def __init__(self, cfg: EagleHeadConfig, target_embed: torch.Tensor | None = None,
+                 target_lm_head: torch.Tensor | None = None):
+        super().__init__(cfg, target_embed)
+        if target_lm_head is None:
+            raise ValueError("an EAGLE-1 head reads tokens through the target's lm_head weight")
+        lc = cfg.layer_config()
+        h = cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=cfg.fc_bias)
+        self.attn = Attention(lc, 0)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(lc)
+        self.register_buffer("target_lm_head", target_lm_head, persistent=False)
+
+    def fuse(self, features: TargetFeatures) -> torch.Tensor:
+        return features.last_hidden.to(self.fc.weight.dtype)
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                cache: KVCache | None = None, rows: torch.Tensor | None = None, scratch: int = 0,
+                local_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
+                compute_logits: bool = True) -> HeadOutput:
+        """Same contract as ``Eagle3Head.forward``; ``out`` is the predicted next target feature."""
+        b, t = tokens.shape
+        rows = torch.arange(b) if rows is None and cache is not None else rows
+        slots, used, mask = attention_plan(cache, rows, t, scratch, local_mask, b)
+        cos, sin = self._rope(positions, hidden.dtype)
+        x = self.fc(torch.cat([self._embed(tokens), hidden], dim=-1))
+        x = x + self.attn(x, cos, sin, mask, cache, rows, slots, used)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        logits = F.linear(self._select(x, logits_at), self.target_lm_head) if compute_logits else None
+        return HeadOutput(x, logits)
+
+
+EagleHead = Eagle1Head | Eagle3Head
+
+
+def init_head_weights(head: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """Deterministic random init (tests, training start): linears ~ N(0, std), norms = 1."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            else:
+                p.zero_()
+    return head

@@ -1,0 +1,120 @@
+"""Prometheus metrics of one server, in their own ``CollectorRegistry`` (never the global one).
+
+Names follow vLLM's with a ``verispec:`` prefix. Counters get prometheus-client's ``_total``
+suffix in the exposition. Conventions:
+- ``spec_decode_*`` count verification steps that drafted at least one token, the draft tokens
+  proposed and the draft tokens accepted (the bonus/recovered token is not an accepted token);
+  ``spec_decode_num_accepted_tokens_per_pos{position="i"}`` counts drafted steps whose accepted
+  path reached depth i (1-based), as ``SpecStats.accepted_per_pos``.
+- ``generation_tokens`` counts tokens emitted to requests (``completion_tokens``), also those of
+  requests aborted later; ``prompt_tokens`` counts prompt tokens prefilled. Responses answered
+  from the response cache do no engine work and count in ``response_cache_hits`` only.
+- ``inter_token_latency_seconds`` is observed once per emitted token: the time since the
+  request's previous emission divided by the tokens emitted together (speculation emits several).
+- ``request_finished{finished_reason}``: stop, length, abort (client went away), timeout, error.
+Every method is thread-safe (prometheus-client metrics are).
+"""
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..metrics import SpecStats
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """All metrics of one server process; ``render()`` gives the text exposition."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.num_drafts = Counter("verispec:spec_decode_num_drafts",
+                                  "Verification steps that checked at least one draft token.", registry=r)
+        self.num_draft_tokens = Counter("verispec:spec_decode_num_draft_tokens",
+                                        "Draft tokens proposed.", registry=r)
+        self.num_accepted_tokens = Counter("verispec:spec_decode_num_accepted_tokens",
+                                           "Draft tokens accepted (bonus tokens excluded).", registry=r)
+        self.accepted_per_pos = Counter("verispec:spec_decode_num_accepted_tokens_per_pos",
+                                        "Drafted steps whose accepted path reached this depth.",
+                                        ["position"], registry=r)
+        self.draft_budget = Gauge("verispec:spec_decode_draft_budget",
+                                  "Draft tree nodes allowed per sequence by the speculation policy "
+                                  "in the last step (0: speculation off).", registry=r)
+        self.running = Gauge("verispec:num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("verispec:num_requests_waiting", "Requests queued for a batch row.", registry=r)
+        self.prompt_tokens = Counter("verispec:prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter("verispec:generation_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram("verispec:time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.", buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("verispec:inter_token_latency_seconds",
+                             "Time between generated tokens (a step's interval shared by its tokens).",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("verispec:e2e_request_latency_seconds",
+                             "Time from arrival to the end of a request.", buckets=_E2E_BUCKETS, registry=r)
+        self.finished = Counter("verispec:request_finished", "Requests that ended, by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.http_errors = Counter("verispec:http_errors", "Error responses sent, by HTTP status.",
+                                   ["status"], registry=r)
+        self.cache_hits = Counter("verispec:response_cache_hits",
+                                  "Requests answered from the response cache.", registry=r)
+        for reason in FINISH_REASONS:
+            self.finished.labels(finished_reason=reason)
+        self._lock = threading.Lock()
+        self._seen = SpecStats()
+
+    def observe_spec(self, stats: SpecStats) -> None:
+        """Add what ``stats`` (cumulative engine counters) gained since the previous call."""
+        with self._lock:
+            seen = self._seen
+            if stats.num_steps < seen.num_steps:       # a new engine: counting restarts
+                seen = self._seen = SpecStats()
+            self.num_drafts.inc(stats.num_drafts - seen.num_drafts)
+            self.num_draft_tokens.inc(stats.num_draft_tokens - seen.num_draft_tokens)
+            self.num_accepted_tokens.inc(stats.num_accepted_tokens - seen.num_accepted_tokens)
+            for i, n in enumerate(stats.accepted_per_pos):
+                old = seen.accepted_per_pos[i] if i < len(seen.accepted_per_pos) else 0
+                if n > old:
+                    self.accepted_per_pos.labels(position=str(i + 1)).inc(n - old)
+            self._seen = SpecStats(num_steps=stats.num_steps, num_drafts=stats.num_drafts,
+                                   num_draft_tokens=stats.num_draft_tokens,
+                                   num_accepted_tokens=stats.num_accepted_tokens,
+                                   accepted_per_pos=list(stats.accepted_per_pos))
+
+    def reset_spec_baseline(self) -> None:
+        """Call when the engine (and so its cumulative stats) is replaced."""
+        with self._lock:
+            self._seen = SpecStats()
+
+    def observe_tokens(self, num_tokens: int, since_last_s: float | None, since_arrival_s: float) -> None:
+        """One emission of ``num_tokens`` tokens to a request: TTFT on its first, ITL after."""
+        if num_tokens <= 0:
+            return
+        self.generation_tokens.inc(num_tokens)
+        if since_last_s is None:
+            self.ttft.observe(since_arrival_s)
+            num_tokens -= 1
+            if num_tokens == 0:
+                return
+            since_last_s = 0.0
+        per_token = since_last_s / num_tokens
+        for _ in range(num_tokens):
+            self.itl.observe(per_token)
+
+    def observe_finished(self, reason: str, since_arrival_s: float) -> None:
+        self.finished.labels(finished_reason=reason).inc()
+        self.e2e.observe(since_arrival_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,361 @@
+"""Continuous batching for the server: one background thread owns the ``Engine``.
+
+    asyncio handlers ──submit──► waiting queue ──admit (Engine.add)──► running batch ──step──►
+          ▲                                                                           │
+          └──────────── asyncio.Queue per request ◄── events (call_soon_threadsafe) ──┘
+
+Contract
+- ``submit`` (from the event loop) queues a request or raises ``QueueFull`` (more than
+  ``max_queue`` waiting) / ``NotAccepting`` (shutting down). The thread admits waiting requests
+  into free batch rows between decode steps, in arrival order, and retires finished ones at once
+  (their rows are free for the next admission).
+- Each request receives ``TokenEvent``s: the token ids a step emitted to it (one event per
+  step, possibly several tokens with speculation), the last one with ``finished`` and the
+  engine's finish reason ("stop" | "length"); or one ``ErrorEvent`` (status 408 timeout, 500
+  engine error, 503 shutdown) after which nothing follows.
+- ``cancel`` (client gone) aborts the sequence between steps and frees its row (``Engine.abort``).
+- A request older than its timeout is aborted between steps and gets ``ErrorEvent(408)``.
+- An exception from the engine never ends the thread: a failed ``add`` fails that request; a
+  failed ``step`` fails every running request (one batched forward serves them all) and the
+  engine is rebuilt if it cannot be cleaned up. All get ``ErrorEvent(500)``.
+- ``stop(grace_s)`` stops admitting, fails queued requests with 503, lets running ones finish
+  for up to ``grace_s`` seconds, aborts the rest (503) and joins the thread.
+The optional ``policy`` wraps the engine's drafter in a ``PolicyDrafter`` (see ``policy``) and
+is told each step's batch size, budget, time and emitted tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from ..engine import Engine, Sequence
+from ..llm import LLM
+from ..sampling import SamplingParams
+from .metrics import ServerMetrics
+from .policy import PolicyDrafter, SpecPolicy
+
+log = logging.getLogger("verispec.serve")
+_req_ids = itertools.count()
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting for a batch row."""
+
+
+class NotAccepting(RuntimeError):
+    """The scheduler is stopping or stopped."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    status: int
+    message: str
+    type: str
+
+
+class RequestFailed(Exception):
+    def __init__(self, event: ErrorEvent):
+        super().__init__(event.message)
+        self.event = event
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """A submitted request: its inputs, its event queue and its engine sequence once admitted."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    deadline: float | None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request_id: int = field(default_factory=lambda: next(_req_ids))
+    arrival: float = field(default_factory=time.perf_counter)
+    seq: Sequence | None = None
+    last_emit: float | None = None
+    done: bool = False            # final event sent (set by the scheduler thread)
+
+
+class Scheduler:
+    def __init__(self, llm: LLM, *, max_num_seqs: int, max_model_len: int, metrics: ServerMetrics,
+                 max_queue: int = 1024, request_timeout: float | None = None,
+                 policy: SpecPolicy | None = None):
+        self.llm = llm
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.request_timeout = request_timeout
+        self.policy = policy
+        self.engine = self._new_engine()
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[EngineRequest] = collections.deque()
+        self._cancels: list[EngineRequest] = []
+        self._active: dict[int, EngineRequest] = {}       # seq_id -> request, running only
+        self._accepting = True
+        self._stop_at: float | None = None                # set by stop(): drain deadline
+        self._thread = threading.Thread(target=self._run, name="verispec-scheduler", daemon=True)
+        self.steps = 0
+
+    def _new_engine(self) -> Engine:
+        engine = self.llm.make_engine(self.max_num_seqs, self.max_model_len)
+        if self.policy is not None and engine.drafter is not None:
+            engine.drafter = PolicyDrafter(engine.drafter, self.policy)
+        self.metrics.reset_spec_baseline()
+        return engine
+
+    # ------------------------------------------------------------------ event-loop side
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._accepting
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
+        """Queue a validated request; call from the event loop that will read its events."""
+        deadline = time.perf_counter() + self.request_timeout if self.request_timeout else None
+        req = EngineRequest(list(prompt_ids), params, asyncio.get_running_loop(), deadline)
+        with self._cond:
+            if not self._accepting:
+                raise NotAccepting("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting "
+                                f"(--max-queue {self.max_queue}); retry later")
+            self._waiting.append(req)
+            self.metrics.waiting.set(len(self._waiting))
+            self._cond.notify()
+        return req
+
+    def cancel(self, req: EngineRequest) -> None:
+        """Abort ``req`` between steps (no-op when it already ended)."""
+        if req.done:
+            return
+        with self._cond:
+            self._cancels.append(req)
+            self._cond.notify()
+
+    async def events(self, req: EngineRequest) -> AsyncIterator[TokenEvent]:
+        """``req``'s token events until the finished one; raises ``RequestFailed`` on an error
+        event. Leaving early (client gone, task cancelled) cancels the request."""
+        try:
+            while True:
+                ev = await req.events.get()
+                if isinstance(ev, ErrorEvent):
+                    raise RequestFailed(ev)
+                yield ev
+                if ev.finished:
+                    return
+        finally:
+            if not req.done:
+                self.cancel(req)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop admitting, fail queued requests, finish or abort running ones, join the thread."""
+        with self._cond:
+            self._accepting = False
+            self._stop_at = time.perf_counter() + grace_s
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(grace_s + 30.0)
+
+    # ------------------------------------------------------------------ scheduler thread
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._iteration():
+                    break
+            except Exception:        # noqa: BLE001 - the thread must outlive any bug
+                log.exception("scheduler iteration failed; failing running requests")
+                self._fail_running(500, "internal error in the scheduler")
+        self._shutdown()
+
+    def _iteration(self) -> bool:
+        """One admit/step round; False when it is time to stop."""
+        with self._cond:
+            while not (self._waiting or self._cancels or self.engine.running or self._stop_at):
+                self._cond.wait()
+            cancels, self._cancels = self._cancels, []
+            if self._stop_at is not None:
+                self._fail_waiting(503, "the server is shutting down")
+                if not self.engine.running or time.perf_counter() > self._stop_at:
+                    return False
+        self._process_cancels(cancels)
+        self._expire()
+        self._admit()
+        self._step()
+        self.metrics.running.set(len(self.engine.running))
+        self.metrics.waiting.set(len(self._waiting))
+        return True
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            self._fail_waiting(503, "the server is shutting down")
+        self._fail_running(503, "the server is shutting down")
+        self.metrics.running.set(0)
+        self.metrics.waiting.set(0)
+
+    def _fail_waiting(self, status: int, message: str) -> None:
+        """Caller holds the lock."""
+        while self._waiting:
+            self._error(self._waiting.popleft(), status, message, "error")
+
+    def _process_cancels(self, cancels: list[EngineRequest]) -> None:
+        for req in cancels:
+            if req.done:
+                continue
+            with self._cond:
+                if req in self._waiting:
+                    self._waiting.remove(req)
+            self._abort(req, "abort")
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        with self._cond:
+            late = [r for r in self._waiting if r.deadline is not None and now > r.deadline]
+            for r in late:
+                self._waiting.remove(r)
+        late += [r for r in self._active.values() if r.deadline is not None and now > r.deadline]
+        for r in late:
+            self._abort(r, "timeout")
+
+    def _abort(self, req: EngineRequest, reason: str) -> None:
+        """End ``req`` (waiting or running) with reason "abort" (nobody listens) or "timeout"."""
+        if req.seq is not None and not req.done:
+            self._active.pop(req.seq.seq_id, None)
+            try:
+                self.engine.abort(req.seq)
+            except Exception:         # noqa: BLE001
+                log.exception("engine.abort failed; rebuilding the engine")
+                self._rebuild_engine()
+        if reason == "timeout":
+            self._error(req, 408, f"the request timed out after {self.request_timeout:g} s "
+                                  "(--request-timeout)", "timeout", finished_reason="timeout")
+        else:
+            self._finish(req, TokenEvent([], True, "abort"), "abort")
+
+    def _admit(self) -> None:
+        while self.engine.can_admit():
+            with self._cond:
+                if not self._waiting or self._stop_at is not None:
+                    return
+                req = self._waiting.popleft()
+            seq = Sequence(prompt_ids=req.prompt_ids, params=req.params,
+                           on_tokens=lambda s, new, req=req: self._on_tokens(req, s, new))
+            seq.start_time = req.arrival
+            req.seq = seq
+            self._active[seq.seq_id] = req
+            try:
+                self.engine.add(seq)
+            except Exception as e:     # noqa: BLE001
+                log.exception("engine.add failed")
+                self._active.pop(seq.seq_id, None)
+                self._reclaim_row(seq)
+                self._error(req, 500, f"the engine failed to start the request: {e}", "internal_error")
+                continue
+            self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+
+    def _reclaim_row(self, seq: Sequence) -> None:
+        """After a failed ``add``: make sure the row it took is free again."""
+        eng = self.engine
+        try:
+            if seq in eng.running:
+                eng.abort(seq)
+            elif seq.row >= 0 and seq.row not in eng.free_rows:
+                eng.cache.reset(seq.row)
+                eng.free_rows.append(seq.row)
+        except Exception:             # noqa: BLE001
+            log.exception("could not free the row of a failed request; rebuilding the engine")
+            self._rebuild_engine()
+
+    def _step(self) -> None:
+        eng = self.engine
+        if not eng.running:
+            return
+        batch = len(eng.running)
+        emitted0 = eng.stats.num_emitted_tokens
+        t0 = time.perf_counter()
+        try:
+            eng.step()
+        except Exception as e:        # noqa: BLE001
+            log.exception("engine.step failed")
+            self._fail_running(500, f"the engine failed during a decoding step: {e}")
+            return
+        dt = time.perf_counter() - t0
+        self.steps += 1
+        if isinstance(eng.drafter, PolicyDrafter):
+            eng.drafter.policy.observe(batch, eng.drafter.last_budget, dt,
+                                       eng.stats.num_emitted_tokens - emitted0)
+            self.metrics.draft_budget.set(eng.drafter.last_budget)
+        elif eng.drafter is not None:
+            self.metrics.draft_budget.set(eng.drafter.max_tree_nodes)
+        self.metrics.observe_spec(eng.stats)
+
+    def _fail_running(self, status: int, message: str) -> None:
+        reqs = list(self._active.values())
+        self._active.clear()
+        broken = False
+        for req in reqs:
+            try:
+                if req.seq is not None:
+                    self.engine.abort(req.seq)
+            except Exception:         # noqa: BLE001
+                broken = True
+            self._error(req, status, message, "internal_error" if status == 500 else "error")
+        if broken or self.engine.running:
+            self._rebuild_engine()
+
+    def _rebuild_engine(self) -> None:
+        for req in list(self._active.values()):
+            self._error(req, 500, "the engine was restarted after an error", "internal_error")
+        self._active.clear()
+        try:
+            self.engine = self._new_engine()
+        except Exception:             # noqa: BLE001
+            log.exception("could not rebuild the engine; keeping the old one")
+
+    # ------------------------------------------------------------------ delivery
+    def _on_tokens(self, req: EngineRequest, seq: Sequence, new: list[int]) -> None:
+        """Engine callback (scheduler thread): metrics, then the event to the request's loop."""
+        now = time.perf_counter()
+        since_last = None if req.last_emit is None else now - req.last_emit
+        if new:
+            self.metrics.observe_tokens(len(new), since_last, now - req.arrival)
+            req.last_emit = now
+        if seq.finished:
+            self._active.pop(seq.seq_id, None)
+            self._finish(req, TokenEvent(list(new), True, seq.finish_reason), seq.finish_reason or "stop")
+        else:
+            self._put(req, TokenEvent(list(new), False, None))
+
+    def _finish(self, req: EngineRequest, event: TokenEvent | ErrorEvent, reason: str) -> None:
+        if req.done:
+            return
+        req.done = True
+        self.metrics.observe_finished(reason, time.perf_counter() - req.arrival)
+        self._put(req, event)
+
+    def _error(self, req: EngineRequest, status: int, message: str, type_: str,
+               finished_reason: str = "error") -> None:
+        self._finish(req, ErrorEvent(status, message, type_), finished_reason)
+
+    @staticmethod
+    def _put(req: EngineRequest, event: TokenEvent | ErrorEvent) -> None:
+        with contextlib.suppress(RuntimeError):      # the loop is closed: nobody to tell
+            req.loop.call_soon_threadsafe(req.events.put_nowait, event)
