@@ -35,6 +35,13 @@ class SpeculativeConfig:
     depth: int | None = None
     num_draft_tokens: int | None = None
     draft_dtype: str | None = None
+    # EAGLE / Medusa keys (validated by their drafter builders, see drafters/eagle.py, medusa.py)
+    eagle_aux_hidden_state_layer_ids: tuple[int, ...] | None = None   # EAGLE-3 override, vLLM ids
+    rank_by: str | None = None               # dynamic tree: "path" (EAGLE-2) | "confidence" (ablation)
+    rerank: bool | None = None               # dynamic tree: global rerank (default true)
+    typical_acceptance: bool | None = None   # Medusa typical acceptance: LOSSY, opt-in
+    posterior_threshold: float | None = None # typical acceptance epsilon (default 0.09)
+    posterior_alpha: float | None = None     # typical acceptance delta (default 0.3)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | str | "SpeculativeConfig" | None) -> "SpeculativeConfig | None":

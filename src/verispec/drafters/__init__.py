@@ -85,3 +85,25 @@ def check_same_vocab(target, draft) -> None:
 
 __all__ = ["DraftRequest", "Drafter", "StatelessDrafter", "TargetFeatures", "build_drafter_factory",
            "register", "self_draft", "check_same_vocab"]
+
+
+@register(SpecMethod.EAGLE)
+def _eagle(config: SpeculativeConfig, target) -> DrafterFactory:
+    """EAGLE-1 head (target last hidden state); EAGLE-2 when the tree is dynamic."""
+    from .eagle import build_eagle_factory
+    from .eagle_head import HeadKind
+    return build_eagle_factory(config, target, HeadKind.EAGLE1)
+
+
+@register(SpecMethod.EAGLE3)
+def _eagle3(config: SpeculativeConfig, target) -> DrafterFactory:
+    """EAGLE-3 / 3.1 head (three fused target layers), dynamic tree by default."""
+    from .eagle import build_eagle_factory
+    from .eagle_head import HeadKind
+    return build_eagle_factory(config, target, HeadKind.EAGLE3)
+
+
+@register(SpecMethod.MEDUSA)
+def _medusa(config: SpeculativeConfig, target) -> DrafterFactory:
+    from .medusa import build_medusa_factory
+    return build_medusa_factory(config, target)

@@ -1,8 +1,9 @@
 """Draft-tree builders driven level by level: the EAGLE-2 dynamic tree and static choices trees.
 
 A builder owns the candidate nodes of one request; the drafter asks it which nodes to expand
-(``frontier``), runs its head on them and hands back their children's log-probabilities
-(``grow``); ``select`` returns the final tree. Tokens here are draft-vocabulary ids.
+(``frontier``), runs its head on them and hands back their children's ranked log-probabilities
+(``grow``, a ``Ranked`` of the config's ``width`` best children per node, from ``rank``);
+``select`` returns the final tree. Tokens here are draft-vocabulary ids.
 
 EAGLE-2 dynamic tree (``DynamicTreeBuilder``), ``topk`` k, ``depth`` D, budget m:
 1. depth 1: the k most likely children of the root are the candidates and the frontier;
@@ -24,11 +25,24 @@ from __future__ import annotations
 import enum
 import heapq
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from ..tree import validate_choices
+
+
+class Ranked(NamedTuple):
+    """The best children of F nodes, best first: draft log-probs and draft token ids."""
+    logp: torch.Tensor      # [F, width] (or [width])
+    ids: torch.Tensor       # [F, width] (or [width]) int64
+
+
+def rank(logits: torch.Tensor, width: int) -> Ranked:
+    """Top-``width`` log-probs of ``logits [..., V]`` without materialising a log-softmax."""
+    lg = logits.float()
+    vals, ids = torch.topk(lg, min(width, lg.shape[-1]), dim=-1)
+    return Ranked(vals - torch.logsumexp(lg, dim=-1, keepdim=True), ids)
 
 
 class RankBy(str, enum.Enum):
@@ -63,8 +77,13 @@ class DynamicTreeConfig:
         """Upper bound on nodes expanded (fed to the head) per proposal."""
         return self.topk * (self.depth - 1)
 
-    def builder(self, root_logp: torch.Tensor, budget: int) -> "DynamicTreeBuilder":
-        return DynamicTreeBuilder(self, root_logp, budget)
+    @property
+    def width(self) -> int:
+        """Ranked children needed per expanded node."""
+        return self.topk
+
+    def builder(self, root: Ranked, budget: int) -> "DynamicTreeBuilder":
+        return DynamicTreeBuilder(self, root, budget)
 
 
 @dataclass(frozen=True)
@@ -91,8 +110,12 @@ class StaticTreeConfig:
     def max_expanded(self) -> int:
         return len({c[:-1] for c in self.choices if len(c) > 1})
 
-    def builder(self, root_logp: torch.Tensor, budget: int) -> "StaticTreeBuilder":
-        return StaticTreeBuilder(self.choices, root_logp, budget)
+    @property
+    def width(self) -> int:
+        return 1 + max(c[-1] for c in self.choices)
+
+    def builder(self, root: Ranked, budget: int) -> "StaticTreeBuilder":
+        return StaticTreeBuilder(self.choices, root, budget)
 
 
 TreeConfig = DynamicTreeConfig | StaticTreeConfig
@@ -116,10 +139,9 @@ class _Nodes:
         self.score.append(logp + (self.score[parent] if parent >= 0 else 0.0))
         return len(self.tokens) - 1
 
-    def add_children(self, parent: int, logp: torch.Tensor, k: int) -> list[int]:
-        vals, idx = torch.topk(logp.float(), min(k, logp.shape[-1]))
-        return [self.add(parent, int(i), float(v)) for v, i in zip(vals.tolist(), idx.tolist())
-                if v != float("-inf")]
+    def add_children(self, parent: int, logp: list[float], ids: list[int], k: int) -> list[int]:
+        """The first k of the ranked children (draws of probability 0 are skipped)."""
+        return [self.add(parent, i, v) for v, i in zip(logp[:k], ids[:k]) if v != float("-inf")]
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -128,12 +150,12 @@ class _Nodes:
 class DynamicTreeBuilder:
     """EAGLE-2 dynamic tree for one request (see the module docstring)."""
 
-    def __init__(self, cfg: DynamicTreeConfig, root_logp: torch.Tensor, budget: int):
+    def __init__(self, cfg: DynamicTreeConfig, root: Ranked, budget: int):
         self.cfg = cfg
         self.budget = min(budget, cfg.num_draft_tokens)
         self.nodes = _Nodes()
         self._level = 1
-        first = self.nodes.add_children(-1, root_logp, cfg.topk)
+        first = self.nodes.add_children(-1, root.logp.tolist(), root.ids.tolist(), cfg.topk)
         self._frontier = self._best(first) if self._more_levels() else []
 
     def _key(self, i: int) -> float:
@@ -149,11 +171,11 @@ class DynamicTreeBuilder:
     def frontier(self) -> list[int]:
         return list(self._frontier)
 
-    def grow(self, logp: torch.Tensor) -> None:
-        """``logp [F, V]``: children log-probs of the frontier nodes, in frontier order."""
+    def grow(self, ranked: Ranked) -> None:
+        """Ranked children ([F, width]) of the frontier nodes, in frontier order."""
         new = []
-        for node, lp in zip(self._frontier, logp):
-            new += self.nodes.add_children(node, lp, self.cfg.topk)
+        for node, lp, ids in zip(self._frontier, ranked.logp.tolist(), ranked.ids.tolist()):
+            new += self.nodes.add_children(node, lp, ids, self.cfg.topk)
         self._level += 1
         self._frontier = self._best(new) if self._more_levels() else []
 
@@ -179,7 +201,7 @@ class DynamicTreeBuilder:
 class StaticTreeBuilder:
     """A choices tree filled with the ranked children of each expanded node."""
 
-    def __init__(self, choices: tuple[tuple[int, ...], ...], root_logp: torch.Tensor, budget: int):
+    def __init__(self, choices: tuple[tuple[int, ...], ...], root: Ranked, budget: int):
         self.choices = [c for c in choices]
         self.budget = budget
         self.nodes = _Nodes()
@@ -188,15 +210,14 @@ class StaticTreeBuilder:
         for c in self.choices:
             self.width[c[:-1]] = max(self.width.get(c[:-1], 0), c[-1] + 1)
         self._level = 0
-        self._fill((), root_logp)
+        self._fill((), root.logp.tolist(), root.ids.tolist())
         self._frontier = self._next_frontier()
 
-    def _fill(self, path: tuple[int, ...], logp: torch.Tensor) -> None:
+    def _fill(self, path: tuple[int, ...], logp: list[float], ids: list[int]) -> None:
         """Create the children of ``path`` that the choices name (rank order)."""
-        vals, idx = torch.topk(logp.float(), min(self.width[path], logp.shape[-1]))
         for c in self.choices:
-            if c[:-1] == path and c[-1] < len(idx) and len(self.nodes) < self.budget:
-                self.index[c] = self.nodes.add(self.index[path], int(idx[c[-1]]), float(vals[c[-1]]))
+            if c[:-1] == path and c[-1] < len(ids) and len(self.nodes) < self.budget:
+                self.index[c] = self.nodes.add(self.index[path], ids[c[-1]], logp[c[-1]])
 
     def _next_frontier(self) -> list[tuple[int, ...]]:
         self._level += 1
@@ -207,9 +228,9 @@ class StaticTreeBuilder:
     def frontier(self) -> list[int]:
         return [self.index[p] for p in self._frontier]
 
-    def grow(self, logp: torch.Tensor) -> None:
-        for path, lp in zip(self._frontier, logp):
-            self._fill(path, lp)
+    def grow(self, ranked: Ranked) -> None:
+        for path, lp, ids in zip(self._frontier, ranked.logp.tolist(), ranked.ids.tolist()):
+            self._fill(path, lp, ids)
         self._frontier = self._next_frontier()
 
     def select(self) -> list[int]:

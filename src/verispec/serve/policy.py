@@ -35,6 +35,9 @@ from ..tree import DraftTree
 
 
 class SpecPolicy(Protocol):
+    def bind(self, max_nodes: int) -> None:
+        """Learn the drafter's largest tree (called by ``PolicyDrafter``)."""
+
     def budget(self, batch_size: int) -> int:
         """Draft tree nodes allowed per sequence in a step of ``batch_size`` sequences."""
 
@@ -45,7 +48,10 @@ class SpecPolicy(Protocol):
 class StaticPolicy:
     """No policy: the drafter's full size at every batch size."""
 
-    def __init__(self, max_nodes: int):
+    def __init__(self) -> None:
+        self.max_nodes = 0
+
+    def bind(self, max_nodes: int) -> None:
         self.max_nodes = max_nodes
 
     def budget(self, batch_size: int) -> int:
@@ -61,8 +67,11 @@ class StaticPolicy:
 class TablePolicy:
     """Budget from a ``{batch_size: num_speculative_tokens}`` table (step function)."""
 
-    def __init__(self, table: dict[int, int], max_nodes: int):
+    def __init__(self, table: dict[int, int]):
         self.table = sorted(table.items())
+        self.max_nodes = 0
+
+    def bind(self, max_nodes: int) -> None:
         self.max_nodes = max_nodes
 
     def budget(self, batch_size: int) -> int:
@@ -84,15 +93,21 @@ class TablePolicy:
 class AutoPolicy:
     """Per batch-size bucket, the budget with the best measured tokens/s (see module docstring)."""
 
-    def __init__(self, max_nodes: int, explore_every: int = 16, alpha: float = 0.25):
+    def __init__(self, explore_every: int = 16, alpha: float = 0.25):
         if explore_every < 2:
             raise ValueError("explore_every must be >= 2")
-        self.max_nodes = max_nodes
-        self.arms = sorted({0, max(1, max_nodes // 2), max_nodes})
         self.explore_every = explore_every
         self.alpha = alpha
+        self.max_nodes = 0
+        self.arms = [0]
         self.rate: dict[tuple[int, int], float] = {}      # (bucket, budget) -> tokens/s (EMA)
         self.steps: dict[int, int] = {}
+
+    def bind(self, max_nodes: int) -> None:
+        if max_nodes != self.max_nodes:
+            self.max_nodes = max_nodes
+            self.arms = sorted({0, max(1, max_nodes // 2), max_nodes})
+            self.rate.clear()
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -122,16 +137,16 @@ class AutoPolicy:
                                  for (b, a), v in sorted(self.rate.items())}}
 
 
-def parse_policy(value: str | dict | None, max_nodes: int) -> SpecPolicy:
+def parse_policy(value: str | dict | None) -> SpecPolicy:
     """Build a policy from ``num_speculative_tokens_per_batch_size``.
 
     ``None`` or ``"auto"``: ``AutoPolicy``; ``"static"``/``"off"``: ``StaticPolicy``; a dict or a
     JSON object string ``{batch_size: num_speculative_tokens}``: ``TablePolicy``.
     Raises ``ValueError`` with the reason for anything else."""
     if value is None or value == "auto":
-        return AutoPolicy(max_nodes)
+        return AutoPolicy()
     if value in ("static", "off"):
-        return StaticPolicy(max_nodes)
+        return StaticPolicy()
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -151,7 +166,7 @@ def parse_policy(value: str | dict | None, max_nodes: int) -> SpecPolicy:
             raise ValueError(f"num_speculative_tokens_per_batch_size: entry {k!r}: {v!r} needs a batch "
                              "size >= 1 and a number of tokens >= 0")
         table[size] = v
-    return TablePolicy(table, max_nodes)
+    return TablePolicy(table)
 
 
 class PolicyDrafter:
@@ -160,6 +175,7 @@ class PolicyDrafter:
     def __init__(self, inner: Drafter, policy: SpecPolicy):
         self.inner = inner
         self.policy = policy
+        policy.bind(inner.max_tree_nodes)
         self.last_budget = inner.max_tree_nodes
 
     @property

@@ -256,6 +256,7 @@ class Scheduler:
                 if not self._waiting or self._stop_at is not None:
                     return
                 req = self._waiting.popleft()
+                self.metrics.waiting.set(len(self._waiting))
             seq = Sequence(prompt_ids=req.prompt_ids, params=req.params,
                            on_tokens=lambda s, new, req=req: self._on_tokens(req, s, new))
             seq.start_time = req.arrival
@@ -348,6 +349,7 @@ class Scheduler:
         if req.done:
             return
         req.done = True
+        self.metrics.running.set(sum(1 for s in self.engine.running if not s.finished))
         self.metrics.observe_finished(reason, time.perf_counter() - req.arrival)
         self._put(req, event)
 

@@ -1,0 +1,453 @@
+"""Turn ``BenchResult`` suites into summaries, ``results.json``, ``report.md`` and PNG plots.
+
+* ``summarize(result)``: one ``Summary`` per method x category x batch size, plus "overall" per
+  method x batch size. Tokens/s is total output tokens over total wall time of the generate calls
+  (as Spec-Bench does); speedups divide by vanilla's (and plain HF's) tokens/s on the same
+  questions, batch size and run.
+* ``write_report(out_dir, results)``: renders every file in memory first, then writes each one
+  atomically (temporary file in the same folder, then ``os.replace``): an interrupted run or a
+  failing render leaves the previous files (or none), never a half-written one.
+
+Plots (matplotlib, Agg canvas, no display needed): ``speedup_per_category.png``,
+``acceptance_per_position.png``, ``speedup_vs_batch.png``, ``tokens_per_s_vs_batch.png``.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..metrics import SpecStats
+from . import BenchResult, RunRecord
+
+OVERALL = "overall"
+PLOTS = ("speedup_per_category.png", "acceptance_per_position.png", "speedup_vs_batch.png",
+         "tokens_per_s_vs_batch.png")
+_STATS_KEYS = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
+               "accepted_per_pos", "draft_time_s", "verify_time_s")
+
+
+@dataclass
+class Summary:
+    """Aggregated numbers of one method on one category (or "overall") at one batch size.
+    Time fractions are of the wall time of the generate calls (None when not exposed);
+    ``identical``/``ties``/``mismatches`` count greedy conversations compared with vanilla."""
+    method: str
+    category: str
+    batch_size: int
+    num_calls: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    mean_acceptance_length: float
+    tokens_per_step: float | None
+    acceptance_rate_per_pos: list[float] = field(default_factory=list)
+    speedup_vs_vanilla: float | None = None
+    speedup_vs_hf: float | None = None
+    draft_frac: float | None = None
+    verify_frac: float | None = None
+    other_frac: float | None = None
+    peak_rss_mib: float | None = None
+    rss_increase_mib: float | None = None
+    compared: int = 0
+    identical: int = 0
+    ties: int = 0
+    mismatches: int = 0
+
+    @property
+    def identical_share(self) -> float | None:
+        """Share of compared conversations identical to vanilla, numerical ties counted as equal."""
+        return (self.identical + self.ties) / self.compared if self.compared else None
+
+
+# ---------------------------------------------------------------------------- summaries
+def _merged_stats(records: list[RunRecord]) -> SpecStats:
+    total = SpecStats()
+    for r in records:
+        total.merge(SpecStats(**{k: (list(v) if isinstance(v, list) else v)
+                                 for k, v in r.stats.items() if k in _STATS_KEYS}))
+    return total
+
+
+def _aggregate(method: str, category: str, batch: int, records: list[RunRecord]) -> Summary:
+    tokens = sum(r.num_tokens for r in records)
+    wall = sum(r.wall_s for r in records)
+    st = _merged_stats(records)
+    s = Summary(method, category, batch, len(records), tokens, wall, tokens / wall if wall > 0 else 0.0,
+                st.mean_acceptance_length,
+                st.num_emitted_tokens / st.num_steps if st.num_steps else None, st.acceptance_rate_per_pos)
+    if wall > 0 and all(r.draft_s is not None and r.verify_s is not None for r in records):
+        draft, verify = sum(r.draft_s for r in records), sum(r.verify_s for r in records)
+        s.draft_frac, s.verify_frac = draft / wall, verify / wall
+        s.other_frac = max(0.0, 1.0 - s.draft_frac - s.verify_frac)
+    peaks = [r.peak_rss_mib for r in records if r.peak_rss_mib is not None]
+    rises = [r.rss_increase_mib for r in records if r.rss_increase_mib is not None]
+    s.peak_rss_mib = max(peaks) if peaks else None
+    s.rss_increase_mib = max(rises) if rises else None
+    return s
+
+
+def summarize(result: BenchResult) -> list[Summary]:
+    """Per method x category x batch size and per method x batch size ("overall")."""
+    groups: dict[tuple[str, str, int], list[RunRecord]] = {}
+    for r in result.records:
+        groups.setdefault((r.method, r.category, r.batch_size), []).append(r)
+        groups.setdefault((r.method, OVERALL, r.batch_size), []).append(r)
+    out = {key: _aggregate(*key, recs) for key, recs in groups.items()}
+    for f in result.fidelity:
+        for key in ((f.method, f.category, f.batch_size), (f.method, OVERALL, f.batch_size)):
+            if key in out:
+                s = out[key]
+                s.compared += 1
+                s.identical += f.status == "identical"
+                s.ties += f.status == "tie"
+                s.mismatches += f.status == "mismatch"
+    for (method, cat, b), s in out.items():
+        for base, attr in (("vanilla", "speedup_vs_vanilla"), ("hf", "speedup_vs_hf")):
+            ref = out.get((base, cat, b))
+            if ref is not None and ref.tokens_per_s > 0:
+                setattr(s, attr, s.tokens_per_s / ref.tokens_per_s)
+    order = {m.name: i for i, m in enumerate(result.methods)}
+    cats = _categories(result)
+    return sorted(out.values(), key=lambda s: (s.batch_size, order.get(s.method, 99),
+                                               cats.index(s.category) if s.category in cats else len(cats)))
+
+
+def _categories(result: BenchResult) -> list[str]:
+    return list(dict.fromkeys(r.category for r in result.records))
+
+
+def _index(summaries: list[Summary]) -> dict[tuple[str, str, int], Summary]:
+    return {(s.method, s.category, s.batch_size): s for s in summaries}
+
+
+def stops_paying(result: BenchResult, summaries: list[Summary]) -> dict[str, str]:
+    """Per speculative method: at which batch size its overall speedup over vanilla drops below 1."""
+    idx, batches = _index(summaries), sorted({s.batch_size for s in summaries})
+    out = {}
+    for m in result.available():
+        if m.name in ("vanilla", "hf"):
+            continue
+        pts = [(b, idx[(m.name, OVERALL, b)].speedup_vs_vanilla) for b in batches
+               if (m.name, OVERALL, b) in idx and idx[(m.name, OVERALL, b)].speedup_vs_vanilla is not None]
+        if not pts:
+            continue
+        below = [(b, s) for b, s in pts if s < 1.0]
+        if not below:
+            out[m.name] = f"pays at every measured batch size (up to {pts[-1][0]}: {pts[-1][1]:.2f}x)"
+        elif below[0][0] == pts[0][0]:
+            out[m.name] = f"does not pay at any measured batch size ({pts[0][0]}: {pts[0][1]:.2f}x)"
+        else:
+            last_ok = max(b for b, s in pts if s >= 1.0 and b < below[0][0])
+            out[m.name] = (f"pays up to batch {last_ok}, stops paying at batch {below[0][0]} "
+                           f"({below[0][1]:.2f}x)")
+    return out
+
+
+# ---------------------------------------------------------------------------- formatting
+def _x(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}x"
+
+
+def _f(v: float | None, digits: int = 2) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.0f}%"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def category_table(result: BenchResult, summaries: list[Summary], batch: int, value) -> list[str]:
+    """Rows methods, columns categories then Overall (EAGLE-2 / Spec-Bench leaderboard layout)."""
+    idx, cats = _index(summaries), _categories(result)
+    rows = []
+    for m in result.available():
+        if any((m.name, c, batch) in idx for c in cats):
+            rows.append([m.name] + [value(idx.get((m.name, c, batch))) for c in cats + [OVERALL]])
+    return _table(["Method"] + cats + ["**Overall**"], rows)
+
+
+def headline(result: BenchResult, summaries: list[Summary]) -> str:
+    """The speedup-over-vanilla table at the smallest batch size (printed by the CLI)."""
+    b = min(result.config["batch_sizes"])
+    return "\n".join(category_table(result, summaries, b, lambda s: _x(s and s.speedup_vs_vanilla)))
+
+
+def _detail_table(result: BenchResult, summaries: list[Summary], batch: int) -> list[str]:
+    idx, rows = _index(summaries), []
+    for m in result.available():
+        s = idx.get((m.name, OVERALL, batch))
+        if s is None:
+            continue
+        acc = ", ".join(f"{a:.2f}" for a in s.acceptance_rate_per_pos[:6]) or "–"
+        split = "–" if s.draft_frac is None else \
+            f"{_pct(s.draft_frac)} / {_pct(s.verify_frac)} / {_pct(s.other_frac)}"
+        same = "–" if s.compared == 0 else \
+            f"{_pct(s.identical_share)} ({s.identical}+{s.ties} ties of {s.compared}; {s.mismatches} mismatches)"
+        rows.append([m.name, _f(s.tokens_per_s, 1), _x(s.speedup_vs_vanilla), _x(s.speedup_vs_hf),
+                     _f(s.mean_acceptance_length), _f(s.tokens_per_step), acc, split,
+                     _f(s.peak_rss_mib, 0), _f(s.rss_increase_mib, 0), same])
+    return _table(["Method", "tok/s", "vs vanilla", "vs hf", "τ (bonus incl.)", "tokens/step",
+                   "acceptance per position", "draft / verify / other", "peak RSS MiB",
+                   "RSS increase MiB", "identical to vanilla"], rows)
+
+
+def _batch_table(result: BenchResult, summaries: list[Summary]) -> list[str]:
+    idx, batches = _index(summaries), sorted(result.config["batch_sizes"])
+    rows = []
+    for m in result.available():
+        cells = []
+        for b in batches:
+            s = idx.get((m.name, OVERALL, b))
+            cells.append("skipped" if s is None else f"{s.tokens_per_s:.1f} ({_x(s.speedup_vs_vanilla)})")
+        rows.append([m.name] + cells)
+    return _table(["Method"] + [f"batch {b}: tok/s (speedup)" for b in batches], rows)
+
+
+def _settings(result: BenchResult) -> list[str]:
+    c = result.config
+    qids = list(dict.fromkeys(q for r in result.records if r.method == "vanilla" for q in r.question_ids))
+    cats = _categories(result)
+    lines = [f"- Model `{c['model']}`, dtype {result.machine['dtype']}, {result.machine['threads']} threads; "
+             f"dataset `{Path(c['dataset']).name}`",
+             f"- {len(qids)} questions ({c['per_category'] or 'all'} per category) in {len(cats)} categories: "
+             f"{', '.join(cats)}; question ids {qids}",
+             f"- max {c['max_tokens']} new tokens per turn, temperature {c['temperature']}, "
+             f"{c['repeats']} repeat(s), batch sizes {list(c['batch_sizes'])}, warm-up "
+             f"{c['warmup_tokens']} tokens per method, HF weights: {c['hf_weights']}",
+             f"- Timed wall time {result.wall_s:.0f} s (model loading {result.load_s:.0f} s, untimed)"]
+    if c.get("notes"):
+        lines.append(f"- Note: {c['notes']}")
+    return lines
+
+
+def _methods_table(result: BenchResult) -> list[str]:
+    rows = [[m.name, m.kind, f"`{json.dumps(m.config)}`" if m.config else "–",
+             "ok" if m.unavailable is None else f"unavailable: {m.unavailable}"] for m in result.methods]
+    return _table(["Method", "Kind", "Config", "Status"], rows)
+
+
+def suite_markdown(result: BenchResult, summaries: list[Summary]) -> list[str]:
+    """The report section of one suite: settings, category tables, details, batch sweep."""
+    b = min(result.config["batch_sizes"])
+    out = [f"## Suite `{result.name}`", ""] + _settings(result) + ["", "### Methods", ""]
+    out += _methods_table(result)
+    out += ["", f"### Speedup over vanilla (batch {b})", ""]
+    out += category_table(result, summaries, b, lambda s: _x(s and s.speedup_vs_vanilla))
+    out += ["", f"### Mean acceptance length τ, bonus token included (batch {b})", ""]
+    out += category_table(result, summaries, b, lambda s: _f(s and s.mean_acceptance_length))
+    out += ["", f"### Tokens/s (batch {b})", ""]
+    out += category_table(result, summaries, b, lambda s: _f(s and s.tokens_per_s, 1))
+    for batch in sorted(result.config["batch_sizes"]):
+        out += ["", f"### Overall per method (batch {batch})", ""] + _detail_table(result, summaries, batch)
+    if len(result.config["batch_sizes"]) > 1:
+        out += ["", "### Batch sweep (overall)", ""] + _batch_table(result, summaries)
+        out += ["", "Where speculation stops paying:", ""]
+        out += [f"- **{m}**: {text}" for m, text in stops_paying(result, summaries).items()]
+    diffs = [f for f in result.fidelity if f.status != "identical"]
+    if diffs:
+        out += ["", "### Outputs that differ from vanilla", ""]
+        out += _table(["Method", "batch", "question", "turn", "position", "top-2 margin", "status"],
+                      [[f.method, str(f.batch_size), str(f.question_id), str(f.turn), str(f.position),
+                        _f(f.margin, 6), f.status] for f in diffs])
+    if result.skipped:
+        out += ["", "Skipped: " + "; ".join(f"{s['method']} at batch {s['batch_size']} ({s['reason']})"
+                                          for s in result.skipped)]
+    return out + [""]
+
+
+def _machine_lines(machine: dict) -> list[str]:
+    load = machine.get("loadavg_start"), machine.get("loadavg_end")
+    loads = " → ".join(_f(x[0]) if x else "–" for x in load)
+    return _table(["CPU", "cores (usable)", "memory", "torch", "transformers", "dtype", "threads",
+                   "1-min load avg start → end"],
+                  [[machine["cpu_model"], f"{machine['logical_cores']} ({machine['usable_cores']})",
+                    f"{machine['memory_gib']} GiB", machine["torch"], machine["transformers"], machine["dtype"],
+                    str(machine["threads"]), loads]])
+
+
+DEFINITIONS = """## Definitions
+
+- **tok/s**: output tokens (end-of-sequence excluded) over wall time of the generate calls, summed
+  over the questions; conversation turns of multi-turn questions each count. Loading is untimed.
+- **Speedup**: tok/s of the method over tok/s of `vanilla` (verispec without drafter) on the same
+  questions, batch size and run, all methods interleaved per batch; **vs hf**: over plain HF `generate`.
+- **τ**: mean acceptance length, tokens emitted per verification step that verified a draft,
+  bonus/recovered token included (1.00 = never anything accepted). **tokens/step**: tokens per
+  target verification forward, drafted or not. **acceptance per position**: share of drafted steps
+  whose accepted path reached draft depth 1, 2, ...
+- **draft / verify / other**: shares of wall time in drafting, in the target's verification
+  forward, and the rest (prefill, acceptance, cache compaction, bookkeeping). Not exposed by HF.
+- **Peak RSS**: {memory}. It includes every model loaded in the process (shared by all methods);
+  **RSS increase** is the peak minus the RSS just before the call (the method's working memory).
+- **Identical to vanilla** (greedy only): conversations whose tokens equal vanilla's; where they
+  differ, a plain forward of the target at the first difference gives the top-2 logit margin, below
+  {tie} counted as a numerical tie, otherwise as a mismatch (a bug).
+"""
+
+
+def render_markdown(results: list[BenchResult], summaries: list[list[Summary]]) -> str:
+    machine = results[0].machine
+    title = f"# Spec-Bench-style benchmark: `{results[0].config['model']}`"
+    out = [title, "", f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
+           "## Machine", ""] + _machine_lines(machine) + [""]
+    for res, summ in zip(results, summaries):
+        out += suite_markdown(res, summ)
+    out += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in PLOTS] + [""]
+    out.append(DEFINITIONS.format(memory=machine["memory_source"], tie=results[0].config["tie_threshold"]))
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------- plots
+def _figure(title: str):
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(9, 4.8), dpi=110)
+    ax = fig.add_subplot()
+    ax.set_title(title, fontsize=10)
+    return fig, ax
+
+
+def _png(fig) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _no_data(ax, text: str = "no data") -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
+
+
+def plot_speedup_per_category(result: BenchResult, summaries: list[Summary]) -> bytes:
+    b = min(result.config["batch_sizes"])
+    idx, cats = _index(summaries), _categories(result) + [OVERALL]
+    methods = [m.name for m in result.available() if m.name != "vanilla"]
+    fig, ax = _figure(f"Speedup over vanilla per category ({result.name}, batch {b})")
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        ys = [getattr(idx.get((m, c, b)), "speedup_vs_vanilla", None) or 0.0 for c in cats]
+        ax.bar([j + (i - (len(methods) - 1) / 2) * width for j in range(len(cats))], ys, width, label=m)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("speedup (x)")
+    if methods:
+        ax.legend(fontsize=8)
+    else:
+        _no_data(ax, "only vanilla was run")
+    return _png(fig)
+
+
+def plot_acceptance(result: BenchResult, summaries: list[Summary]) -> bytes:
+    b = min(result.config["batch_sizes"])
+    idx = _index(summaries)
+    fig, ax = _figure(f"Acceptance rate per draft position ({result.name}, batch {b}, overall)")
+    drawn = 0
+    for m in result.available():
+        s = idx.get((m.name, OVERALL, b))
+        if s is not None and s.acceptance_rate_per_pos:
+            pos = list(range(1, len(s.acceptance_rate_per_pos) + 1))
+            ax.plot(pos, s.acceptance_rate_per_pos, marker="o", label=f"{m.name} (τ={s.mean_acceptance_length:.2f})")
+            drawn += 1
+    ax.set_xlabel("draft position (depth)")
+    ax.set_ylabel("share of drafted steps accepted to this depth")
+    ax.set_ylim(0, 1.05)
+    if drawn:
+        ax.legend(fontsize=8)
+    else:
+        _no_data(ax, "no method drafted tokens")
+    return _png(fig)
+
+
+def plot_vs_batch(result: BenchResult, summaries: list[Summary], speedup: bool) -> bytes:
+    idx, batches = _index(summaries), sorted(result.config["batch_sizes"])
+    what = "Speedup over vanilla" if speedup else "Tokens/s"
+    fig, ax = _figure(f"{what} vs batch size ({result.name}, {result.config['max_tokens']} tokens)")
+    for m in result.available():
+        if speedup and m.name == "vanilla":
+            continue
+        pts = [(b, idx[(m.name, OVERALL, b)]) for b in batches if (m.name, OVERALL, b) in idx]
+        ys = [(s.speedup_vs_vanilla if speedup else s.tokens_per_s) for _, s in pts]
+        if pts and all(y is not None for y in ys):
+            ax.plot([b for b, _ in pts], ys, marker="o", label=m.name)
+    if speedup:
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup (x)" if speedup else "output tokens/s (all sequences)")
+    if ax.lines:
+        ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def render_plots(results: list[BenchResult], summaries: list[list[Summary]]) -> dict[str, bytes]:
+    """Per-category plots from the suite with the most categories, batch plots from the suite
+    with the most batch sizes."""
+    pairs = list(zip(results, summaries))
+    cat = max(pairs, key=lambda p: len(_categories(p[0])))
+    sweep = max(pairs, key=lambda p: len(p[0].config["batch_sizes"]))
+    return {PLOTS[0]: plot_speedup_per_category(*cat), PLOTS[1]: plot_acceptance(*cat),
+            PLOTS[2]: plot_vs_batch(*sweep, speedup=True), PLOTS[3]: plot_vs_batch(*sweep, speedup=False)}
+
+
+# ---------------------------------------------------------------------------- files
+def _clean(v):
+    """JSON-safe copy: non-finite floats become None (results.json stays strict JSON)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+def results_json(results: list[BenchResult], summaries: list[list[Summary]]) -> bytes:
+    doc = {"schema": "verispec.bench/1", "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "suites": [dict(r.as_dict(), summary=[dict(asdict(s), identical_share=s.identical_share) for s in ss],
+                           stops_paying=stops_paying(r, ss))
+                      for r, ss in zip(results, summaries)]}
+    return json.dumps(_clean(doc), indent=1, allow_nan=False).encode()
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file next to ``path``, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_report(out_dir: str | Path, results: list[BenchResult] | BenchResult) -> list[Path]:
+    """Write results.json, report.md and the plots of ``results`` (suites) into ``out_dir``."""
+    results = [results] if isinstance(results, BenchResult) else list(results)
+    if not results:
+        raise ValueError("no benchmark results to write")
+    summaries = [summarize(r) for r in results]
+    files = {"results.json": results_json(results, summaries),
+             "report.md": render_markdown(results, summaries).encode()}
+    files.update(render_plots(results, summaries))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, data in files.items():
+        atomic_write(out / name, data)
+        written.append(out / name)
+    return written

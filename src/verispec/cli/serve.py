@@ -1,0 +1,140 @@
+"""``verispec serve``: an OpenAI-compatible HTTP server with continuous batching and speculation.
+
+``add_parser(subparsers)`` registers the subcommand (``func`` = ``cmd_serve``, returning an exit
+code); ``main(argv)`` parses the same arguments standalone (``python -m verispec.serve``).
+Exit codes: 0 after a clean shutdown, 2 for a bad argument or speculative config, 1 when the
+model cannot be loaded or the server cannot start (e.g. the port is taken).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+POLICY_KEY = "num_speculative_tokens_per_batch_size"
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0 or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="known model name, .gguf file or Hugging Face folder (default: smollm2-135m)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative_config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+                        f'it may also hold "{POLICY_KEY}"')
+    p.add_argument("--num-speculative-tokens-per-batch-size", default=None, metavar="POLICY",
+                   help="speculation under load: 'auto' (measured, the default), 'static' (always the "
+                        "drafter's full size) or a JSON table {batch_size: num_speculative_tokens}, "
+                        "e.g. '{\"1\": 4, \"8\": 2, \"16\": 0}'")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=8,
+                   help="sequences decoded together in one batch (default: 8)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context per sequence, prompt plus output (default: the model's); the KV cache "
+                        "holds max-num-seqs x max-model-len tokens")
+    p.add_argument("--max-prompt-tokens", type=_positive_int, default=8192,
+                   help="longest prompt accepted (default: 8192)")
+    p.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $VERISPEC_API_KEY, unset = no auth)")
+    p.add_argument("--max-queue", type=_non_negative_int, default=1024,
+                   help="requests allowed to wait for a batch row; more get 429 (default: 1024)")
+    p.add_argument("--request-timeout", type=_positive_float, default=None, metavar="SECONDS",
+                   help="abort requests running longer than this (408); default: no limit")
+    p.add_argument("--response-cache", type=_non_negative_int, default=0, metavar="N",
+                   help="answer repeated temperature-0 requests from an LRU of N entries (default: 0, off)")
+    p.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16")
+    p.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--shutdown-grace", type=_positive_float, default=10.0, metavar="SECONDS",
+                   help="on shutdown, time given to running requests to finish (default: 10)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def add_parser(subparsers) -> None:
+    """Register ``serve`` on an argparse ``subparsers`` object."""
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible server (continuous batching, speculation, metrics)",
+        description="Serve /v1/completions, /v1/chat/completions (streaming too), /v1/models, "
+                    "/health and Prometheus /metrics. Requests join the running batch between "
+                    "decoding steps; speculation shrinks as the batch grows.")
+    add_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def split_spec_config(text: str | None, policy_flag: str | None) -> tuple[dict | None, str | dict | None]:
+    """(speculative_config without the policy key, policy value); the flag wins over the key."""
+    if text is None:
+        return None, policy_flag
+    spec = json.loads(text)
+    if not isinstance(spec, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    policy = spec.pop(POLICY_KEY, None)
+    return spec, policy_flag if policy_flag is not None else policy
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Load the model, build the app and run uvicorn until interrupted."""
+    try:
+        import uvicorn
+        from ..serve.app import ServeConfig, create_app
+    except ImportError as e:
+        print(f"verispec serve: {e}; install the server extras: pip install 'verispec[serve]'", file=sys.stderr)
+        return 1
+    from .. import LLM
+    from ..serve.policy import parse_policy
+    from ..spec_config import SpecConfigError, SpeculativeConfig
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        spec, policy_value = split_spec_config(args.speculative_config, args.num_speculative_tokens_per_batch_size)
+        SpeculativeConfig.from_dict(spec)
+        policy = parse_policy(policy_value) if spec is not None else None
+    except (ValueError, SpecConfigError) as e:
+        print(f"verispec serve: bad speculation settings: {e}", file=sys.stderr)
+        return 2
+    try:
+        llm = LLM(args.model, dtype=args.dtype, speculative_config=spec, max_num_seqs=args.max_num_seqs,
+                  max_model_len=args.max_model_len, num_threads=args.num_threads)
+    except Exception as e:          # noqa: BLE001 - any loading failure ends the command
+        print(f"verispec serve: cannot load {args.model!r}: {e}", file=sys.stderr)
+        return 1
+    cfg = ServeConfig(model_name=args.model, max_num_seqs=args.max_num_seqs, max_model_len=llm.max_model_len,
+                      max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
+                      max_queue=args.max_queue, request_timeout=args.request_timeout,
+                      response_cache=args.response_cache, policy=policy, shutdown_grace_s=args.shutdown_grace)
+    server = uvicorn.Server(uvicorn.Config(create_app(llm, cfg), host=args.host, port=args.port,
+                                           log_level=args.log_level, timeout_graceful_shutdown=int(args.shutdown_grace) + 1,
+                                           access_log=args.log_level == "debug"))
+    logging.getLogger("verispec.serve").info(
+        "serving %s on http://%s:%d (max_num_seqs=%d, max_model_len=%d, speculation=%s, policy=%s)",
+        args.model, args.host, args.port, args.max_num_seqs, llm.max_model_len,
+        llm.spec.as_dict() if llm.spec else None, type(policy).__name__ if policy else None)
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="verispec serve", description="OpenAI-compatible verispec server")
+    add_arguments(parser)
+    return cmd_serve(parser.parse_args(argv))

@@ -1,0 +1,250 @@
+"""EAGLE drafters: EAGLE-1 / EAGLE-2 (feature head, static or dynamic tree) and EAGLE-3 / 3.1.
+
+One ``EagleDrafter`` drives any head of ``eagle_head`` (see there for the pair alignment:
+feature at t with token at t+1, RoPE position t, predicting token t+2).
+
+Per batch row the drafter keeps
+- the head's ``KVCache`` row: committed pairs (f_t, x_{t+1}) for t = 0..L-1, all made from
+  *target* features (never from the head's own guesses);
+- ``pending``: fused target features that arrived (``start``: every prompt position; ``accept``:
+  the committed positions) whose following token was not known yet.
+Each ``propose``:
+1. catch up: feed the pending pairs (pending features with the context tokens one position
+   later; the last pair uses the root) in one ragged batched forward and commit them; the output
+   at the root pair gives the state and the draft distribution for depth 1;
+2. grow the tree level by level (``dynamic_tree`` builders), one batched head forward per level
+   over the nodes to expand. A node's pair is (parent's output state, node token) at position
+   L + depth - 1; its K/V go to scratch slots after the committed ones, visible to its
+   descendants only, and are dropped by the next catch-up (rollback = keep the length).
+Rejected draft tokens therefore never leave a trace: after ``accept`` the next catch-up rewrites
+those positions from the target's own features.
+
+Sampling: every tree is deterministic (the top-k children of each expanded node, ``q = None``),
+for greedy and sampled requests alike. The verifier treats q as one-hot, which is lossless for
+any tree whose siblings are distinct tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..spec_config import SpecConfigError, SpeculativeConfig
+from ..tree import DraftTree
+from .base import DraftRequest, TargetFeatures
+from .dynamic_tree import DynamicTreeConfig, RankBy, Ranked, StaticTreeConfig, TreeBuilder, TreeConfig, rank
+from .eagle_head import EagleHead, HeadKind
+
+# Default dynamic tree: EAGLE-2's top-k 8 and depth 6; the node budget comes from the measured
+# target cost curve (benchmarks/results/tree_cost.md): the largest tree whose verify forward
+# costs at most 1.5x a one-token forward on the reference CPU.
+DEFAULT_DYNAMIC_TREE = DynamicTreeConfig(topk=8, depth=6, num_draft_tokens=16)
+
+
+class EagleDrafter:
+    needs_last_hidden: bool
+    hidden_layers: tuple[int, ...]
+
+    def __init__(self, head: EagleHead, tree: TreeConfig, *, max_batch: int, max_len: int):
+        self.head = head.eval().requires_grad_(False)
+        self.tree = tree
+        self.hidden_layers = tuple(head.hidden_layers)
+        self.needs_last_hidden = bool(head.needs_last_hidden)
+        self.max_tree_nodes = tree.max_nodes
+        self._cap = tree.max_depth + 1        # pending pairs per row in steady state
+        self.cache = head.new_cache(max_batch, max_len + self._cap + tree.max_expanded + 2)
+        self.pending: dict[int, list[torch.Tensor]] = {}
+        self.seen: dict[int, int] = {}        # context positions whose features arrived
+
+    # -- protocol --------------------------------------------------------------------------
+    def start(self, row: int, prompt_ids: list[int], features: TargetFeatures | None) -> None:
+        if features is None:
+            raise RuntimeError("EAGLE drafters need target features; the engine passed none")
+        self.cache.reset(row)
+        with torch.no_grad():
+            self.pending[row] = [self.head.fuse(features)]
+        self.seen[row] = len(prompt_ids)
+
+    def accept(self, row: int, committed_ids: list[int], features: TargetFeatures | None) -> None:
+        if features is None:
+            raise RuntimeError("EAGLE drafters need target features; the engine passed none")
+        with torch.no_grad():
+            self.pending[row].append(self.head.fuse(features))
+        self.seen[row] += len(committed_ids)
+
+    def release(self, row: int) -> None:
+        self.cache.reset(row)
+        self.pending.pop(row, None)
+        self.seen.pop(row, None)
+
+    @torch.no_grad()
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        if not requests:
+            return []
+        root_hidden, root_logits = self._catch_up(requests)
+        ranked = rank(root_logits, self.tree.width)
+        builders: list[TreeBuilder | None] = []
+        for i, r in enumerate(requests):
+            budget = self.tree.max_nodes if r.max_nodes is None else min(r.max_nodes, self.tree.max_nodes)
+            builders.append(self.tree.builder(Ranked(ranked.logp[i], ranked.ids[i]), budget)
+                            if budget > 0 else None)
+        self._grow(requests, builders, root_hidden)
+        return [self._to_tree(b) for b in builders]
+
+    # -- 1) catch up on the committed pairs --------------------------------------------------
+    def _catch_up(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit every pending pair; return the root pair's state [B,h] and logits [B,Vd]."""
+        feeds = [self._pending_pairs(r) for r in requests]
+        small = [i for i, f in enumerate(feeds) if len(f[0]) <= self._cap]
+        groups = ([small] if small else []) + [[i] for i in range(len(feeds)) if i not in small]
+        hidden: list[torch.Tensor | None] = [None] * len(feeds)
+        logits: list[torch.Tensor | None] = [None] * len(feeds)
+        for g in groups:
+            h, lg = self._feed_pairs([requests[i].row for i in g], [feeds[i] for i in g])
+            for j, i in enumerate(g):
+                hidden[i], logits[i] = h[j], lg[j]
+        for r in requests:
+            self.pending[r.row] = []
+        return torch.stack(hidden), torch.stack(logits)
+
+    def _pending_pairs(self, r: DraftRequest) -> tuple[list[int], torch.Tensor]:
+        if r.row not in self.pending:
+            raise RuntimeError(f"row {r.row} was not started")
+        m = len(r.context) - 1                       # target cache length; context[m] is the root
+        length = int(self.cache.lengths[r.row])
+        feats = torch.cat(self.pending[r.row]) if self.pending[r.row] else None
+        p = 0 if feats is None else feats.shape[0]
+        if self.seen[r.row] != m or length + p != m or p == 0:
+            raise RuntimeError(f"row {r.row}: context has {m} committed tokens but the drafter saw "
+                               f"{self.seen[r.row]} features and holds {length} + {p} pairs")
+        return r.context[length + 1:m + 1], feats
+
+    def _feed_pairs(self, rows: list[int], feeds: list[tuple[list[int], torch.Tensor]]):
+        t = max(len(toks) for toks, _ in feeds)
+        b = len(rows)
+        rows_t = torch.tensor(rows)
+        tokens = torch.zeros(b, t, dtype=torch.long)
+        hidden = torch.zeros(b, t, feeds[0][1].shape[-1], dtype=feeds[0][1].dtype)
+        for i, (toks, feats) in enumerate(feeds):
+            tokens[i, :len(toks)] = torch.tensor(toks)
+            hidden[i, :len(toks)] = feats
+        start = self.cache.lengths[rows_t]
+        positions = start[:, None] + torch.arange(t)
+        last = torch.tensor([[len(toks) - 1] for toks, _ in feeds])
+        out = self.head(tokens, positions, hidden, self.cache, rows=rows_t, logits_at=last)
+        for row, (toks, _) in zip(rows, feeds):
+            self.cache.advance(torch.tensor([row]), len(toks))
+        state = torch.gather(out.hidden, 1, last[..., None].expand(-1, -1, out.hidden.shape[-1]))[:, 0]
+        return state, out.logits[:, 0]
+
+    # -- 2) grow the trees level by level ---------------------------------------------------
+    def _grow(self, requests: list[DraftRequest], builders: list[TreeBuilder | None],
+              root_hidden: torch.Tensor) -> None:
+        rows = torch.tensor([r.row for r in requests])
+        lengths = self.cache.lengths[rows].tolist()
+        slot: list[dict[int, int]] = [{} for _ in requests]          # node -> scratch index
+        state: list[dict[int, torch.Tensor]] = [{-1: root_hidden[i]} for i in range(len(requests))]
+        scratch = 0
+        while True:
+            fronts = [b.frontier() if b is not None else [] for b in builders]
+            t = max(len(f) for f in fronts)
+            if t == 0:
+                return
+            tokens, positions, hidden, local = self._level_inputs(builders, fronts, lengths, slot, state, scratch, t)
+            out = self.head(tokens, positions, hidden, self.cache, rows=rows, scratch=scratch, local_mask=local)
+            ranked = rank(out.logits, self.tree.width)
+            for i, (b, f) in enumerate(zip(builders, fronts)):
+                for j, node in enumerate(f):
+                    slot[i][node] = scratch + j
+                    state[i][node] = out.hidden[i, j]
+                if f:
+                    b.grow(Ranked(ranked.logp[i, :len(f)], ranked.ids[i, :len(f)]))
+            scratch += t
+
+    def _level_inputs(self, builders, fronts, lengths, slot, state, scratch: int, t: int):
+        """Tokens, positions, input states and the local mask of one level's nodes (padded)."""
+        b = len(fronts)
+        tokens = torch.zeros(b, t, dtype=torch.long)
+        positions = torch.tensor(lengths)[:, None].repeat(1, t)
+        hidden = torch.zeros(b, t, self.head.cfg.hidden_size, dtype=self.head.embed_tokens.dtype)
+        local = torch.zeros(b, t, scratch + t, dtype=torch.bool)
+        local[:, torch.arange(t), scratch + torch.arange(t)] = True
+        for i, f in enumerate(fronts):
+            if not f:
+                continue
+            nodes = builders[i].nodes
+            tokens[i, :len(f)] = self.head.draft_to_target(torch.tensor([nodes.tokens[n] for n in f]))
+            for j, node in enumerate(f):
+                positions[i, j] = lengths[i] + nodes.depth[node] - 1
+                hidden[i, j] = state[i][nodes.parents[node]]
+                a = nodes.parents[node]
+                while a >= 0:
+                    local[i, j, slot[i][a]] = True
+                    a = nodes.parents[a]
+        return tokens, positions, hidden, local
+
+    def _to_tree(self, builder: TreeBuilder | None) -> DraftTree:
+        if builder is None:
+            return DraftTree.empty()
+        keep = builder.select()
+        if not keep:
+            return DraftTree.empty()
+        new = {old: i for i, old in enumerate(keep)}
+        nodes = builder.nodes
+        toks = self.head.draft_to_target(torch.tensor([nodes.tokens[n] for n in keep], dtype=torch.long))
+        parents = torch.tensor([new[nodes.parents[n]] if nodes.parents[n] >= 0 else -1 for n in keep],
+                               dtype=torch.long)
+        return DraftTree(toks, parents)
+
+
+# -- configuration -----------------------------------------------------------------------------
+def tree_config(config: SpeculativeConfig, default: TreeConfig) -> TreeConfig:
+    """The tree a speculative_config asks for: ``tree`` -> static; any of ``topk``, ``depth``,
+    ``num_draft_tokens``, ``rank_by``, ``rerank`` -> dynamic (EAGLE-2); ``num_speculative_tokens``
+    alone -> a chain; nothing -> ``default``."""
+    rank_by, rerank = config.rank_by, config.rerank
+    dynamic_keys = [k for k in ("topk", "depth", "num_draft_tokens") if getattr(config, k) is not None]
+    if config.tree is not None:
+        if rank_by is not None or rerank is not None or config.num_speculative_tokens is not None:
+            raise SpecConfigError("a static 'tree' takes no 'rank_by', 'rerank' or 'num_speculative_tokens'")
+        return StaticTreeConfig.from_choices(config.tree)
+    if dynamic_keys or rank_by is not None or rerank is not None:
+        return _dynamic(config, rank_by, rerank)
+    if config.num_speculative_tokens is not None:
+        return StaticTreeConfig.chain(config.num_speculative_tokens)
+    return default
+
+
+def _dynamic(config: SpeculativeConfig, rank_by, rerank) -> DynamicTreeConfig:
+    d = DEFAULT_DYNAMIC_TREE
+    depth = config.depth or config.num_speculative_tokens or d.depth
+    if config.depth and config.num_speculative_tokens and config.depth != config.num_speculative_tokens:
+        raise SpecConfigError("'depth' and 'num_speculative_tokens' disagree; give one")
+    try:
+        rank = RankBy(rank_by) if rank_by is not None else d.rank_by
+    except ValueError:
+        raise SpecConfigError(f"'rank_by' must be one of {[r.value for r in RankBy]}, got {rank_by!r}") from None
+    if rerank is not None and not isinstance(rerank, bool):
+        raise SpecConfigError(f"'rerank' must be true or false, got {rerank!r}")
+    return DynamicTreeConfig(topk=config.topk or d.topk, depth=depth,
+                             num_draft_tokens=config.num_draft_tokens or d.num_draft_tokens,
+                             rank_by=rank, rerank=d.rerank if rerank is None else rerank)
+
+
+def build_eagle_factory(config: SpeculativeConfig, target, kind: HeadKind):
+    """Load the head checkpoint named by ``config.model`` once; make a drafter per engine."""
+    from ..checkpoints import CheckpointError, load_eagle_head
+    if not config.model:
+        raise SpecConfigError(f"method {config.method.value!r} needs 'model': a head checkpoint folder "
+                              "(EAGLE repo / SpecForge / vLLM layout); no trained head is bundled yet")
+    aux = config.eagle_aux_hidden_state_layer_ids
+    if config.typical_acceptance or config.posterior_threshold is not None or config.posterior_alpha is not None:
+        raise SpecConfigError("typical acceptance (lossy) is offered for method 'medusa' only")
+    if aux is not None and kind is HeadKind.EAGLE1:
+        raise SpecConfigError("'eagle_aux_hidden_state_layer_ids' applies to method 'eagle3'; "
+                              "EAGLE-1 reads the target's last hidden state")
+    try:
+        head = load_eagle_head(config.model, target.model, kind,
+                               aux_layer_ids=tuple(aux) if aux is not None else None)
+    except CheckpointError as e:
+        raise SpecConfigError(f"speculative_config 'model': {e}") from e
+    tree = tree_config(config, DEFAULT_DYNAMIC_TREE)
+    return lambda max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len)

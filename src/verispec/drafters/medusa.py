@@ -1,0 +1,248 @@
+"""Medusa drafter: K heads on the target's last hidden state, a static candidate tree.
+
+Alignment: the engine hands the drafter the target's final-normed hidden state f_t at the last
+committed position t. The target already chose the root x_{t+1} from f_t; Medusa head k
+(0-based) reads f_t and predicts x_{t+2+k}, so tree depth d takes its candidates from head d-1.
+Heads do not see the draft tokens, so the children of every node at depth d are the same top
+ranks of head d-1 (the Medusa choices format says which ranks are kept below which path).
+
+Each head: ``medusa_num_layers`` residual blocks ``x + SiLU(W x + b)`` then a vocabulary
+projection (its own weight, or tied to the target's ``lm_head``).
+
+Verification is the engine's lossless verifier. Trees are deterministic (top ranks, q = None)
+for greedy and sampled requests, which the verifier accepts losslessly. ``lossy_typical_accept``
+is Medusa's *typical acceptance*: opt-in (``typical_acceptance``) and **lossy**: the output no
+longer follows the target distribution. It has the verifier's signature so an engine can be told
+to use it (``MedusaDrafter.acceptance``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..sampling import SamplingParams, target_probs
+from ..spec_config import SpecConfigError, SpeculativeConfig
+from ..tree import DraftTree, tree_from_choices
+from ..verify import AcceptResult
+from .base import DraftRequest, TargetFeatures
+from .dynamic_tree import StaticTreeConfig
+
+# Medusa's default sparse tree (FasterDecoding ``mc_sim_7b_63``), cut to its first 16 paths:
+# the list is built greedily by estimated acceptance, so every prefix is a tree; 16 is the node
+# budget chosen from the measured cost curve (benchmarks/results/tree_cost.md).
+DEFAULT_MEDUSA_CHOICES: tuple[tuple[int, ...], ...] = (
+    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4), (2, 0),
+    (0, 5), (0, 0, 1), (5,))
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    num_heads: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    tied_lm_head: bool = False      # True: every head projects with the target's lm_head
+    block_bias: bool = True         # FasterDecoding's blocks have biases; vLLM's may not
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError(f"medusa needs >= 1 head and >= 0 layers, got {self.num_heads}, {self.num_layers}")
+
+
+class ResidualBlock(nn.Module):
+    """``x + SiLU(linear(x))`` for each of ``layers`` in turn."""
+
+    def __init__(self, hidden: int, num_layers: int, bias: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden, bias=bias) for _ in range(num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+class MedusaHeads(nn.Module):
+    """``forward(f [..., h]) -> logits [..., K, V]``. Parameter names follow vLLM's
+    (``blocks.{i}.layers.{j}``, ``lm_heads.{i}``); ``checkpoints`` maps FasterDecoding's."""
+
+    def __init__(self, cfg: MedusaConfig, target_lm_head: torch.Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(ResidualBlock(cfg.hidden_size, cfg.num_layers, cfg.block_bias)
+                                    for _ in range(cfg.num_heads))
+        if cfg.tied_lm_head:
+            if target_lm_head is None:
+                raise ValueError("tied Medusa heads need the target's lm_head weight")
+            self.lm_heads = None
+            self.register_buffer("target_lm_head", target_lm_head, persistent=False)
+        else:
+            self.lm_heads = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+                                          for _ in range(cfg.num_heads))
+
+    def head_states(self, f: torch.Tensor) -> torch.Tensor:
+        """[..., K, h]: the residual blocks' output of each head."""
+        return torch.stack([blk(f) for blk in self.blocks], dim=-2)
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        states = self.head_states(f)
+        if self.lm_heads is None:
+            return F.linear(states, self.target_lm_head)
+        return torch.stack([lm(states[..., k, :]) for k, lm in enumerate(self.lm_heads)], dim=-2)
+
+
+class MedusaDrafter:
+    hidden_layers: tuple[int, ...] = ()
+    needs_last_hidden = True
+
+    def __init__(self, heads: MedusaHeads, tree: StaticTreeConfig, *, typical: "TypicalAcceptance | None" = None):
+        if tree.max_depth > heads.cfg.num_heads:
+            raise ValueError(f"tree depth {tree.max_depth} needs more than the {heads.cfg.num_heads} Medusa heads")
+        self.heads = heads.eval().requires_grad_(False)
+        self.choices = tree.choices
+        self.max_tree_nodes = tree.max_nodes
+        self.width = 1 + max(c[-1] for c in self.choices)
+        self.last: dict[int, torch.Tensor] = {}        # row -> f_t at the last committed position
+        # Lossy, opt-in: an acceptance function with the verifier's signature (None = lossless).
+        self.acceptance = partial(lossy_typical_accept, cfg=typical) if typical is not None else None
+
+    def start(self, row: int, prompt_ids: list[int], features: TargetFeatures | None) -> None:
+        self.last[row] = _last_hidden(features)
+
+    def accept(self, row: int, committed_ids: list[int], features: TargetFeatures | None) -> None:
+        self.last[row] = _last_hidden(features)
+
+    def release(self, row: int) -> None:
+        self.last.pop(row, None)
+
+    @torch.no_grad()
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        if not requests:
+            return []
+        f = torch.stack([self.last[r.row] for r in requests])
+        ranked = torch.topk(self.heads(f.to(_dtype(self.heads))), self.width, dim=-1).indices   # [B, K, w]
+        trees = []
+        for i, r in enumerate(requests):
+            top = ranked[i].tolist()
+            tree = tree_from_choices(self.choices, lambda path, top=top: top[len(path)])
+            trees.append(_truncate(tree, r.max_nodes))
+        return trees
+
+
+def _last_hidden(features: TargetFeatures | None) -> torch.Tensor:
+    if features is None or features.last_hidden is None:
+        raise RuntimeError("Medusa needs the target's last hidden state; the engine passed none")
+    return features.last_hidden[-1]
+
+
+def _dtype(module: nn.Module) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+def _truncate(tree: DraftTree, max_nodes: int | None) -> DraftTree:
+    if max_nodes is None or len(tree) <= max_nodes:
+        return tree
+    return DraftTree(tree.tokens[:max_nodes], tree.parents[:max_nodes])
+
+
+# -- typical acceptance (lossy, opt-in) ------------------------------------------------------------
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    """Medusa's typical acceptance, **lossy**. A draft token x below a node whose target
+    distribution is p (temperature, top-k, top-p applied) is accepted when
+    ``p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p)))``."""
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not (0 < self.posterior_threshold <= 1) or not (0 < self.posterior_alpha <= 1):
+            raise ValueError("posterior_threshold and posterior_alpha must lie in (0, 1]")
+
+
+def lossy_typical_accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
+                         generator: torch.Generator | None, *, cfg: TypicalAcceptance) -> AcceptResult:
+    """LOSSY acceptance (Medusa typical acceptance), same signature as ``verify.accept``.
+
+    Among root-to-node paths whose every token passes the typicality test, take the longest
+    (ties: the larger sum of target log-probs, then the earlier node). The final token is the
+    target argmax (greedy) or a draw from p at the path's end. Greedy requests get the ordinary
+    greedy rule, as in Medusa."""
+    from ..verify import accept_greedy
+    if params.greedy:
+        return accept_greedy(tree, logits)
+    probs = target_probs(logits, params)                                    # [N+1, V]
+    ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+    thresh = torch.clamp(cfg.posterior_alpha * torch.exp(-ent), max=cfg.posterior_threshold)
+    toks, par = tree.tokens.tolist(), tree.parents.tolist()
+    ok, length, score = {-1: True}, {-1: 0}, {-1: 0.0}
+    best = -1
+    for i in range(len(tree)):                                             # topological order
+        p_row = par[i] + 1
+        px = float(probs[p_row, toks[i]])
+        ok[i] = ok[par[i]] and px > float(thresh[p_row])
+        if not ok[i]:
+            continue
+        length[i], score[i] = length[par[i]] + 1, score[par[i]] + math.log(max(px, 1e-30))
+        if (length[i], score[i]) > (length[best], score[best]):
+            best = i
+    path, n = [], best
+    while n >= 0:
+        path.append(n)
+        n = par[n]
+    path.reverse()
+    final = int(torch.multinomial(probs[best + 1], 1, generator=generator))
+    has_kids = any(p == best for p in par)
+    return AcceptResult(path, [toks[n] for n in path] + [final], bonus=not has_kids)
+
+
+# -- configuration ---------------------------------------------------------------------------------
+def medusa_tree(config: SpeculativeConfig, num_heads: int) -> StaticTreeConfig:
+    """``tree`` -> that static tree; ``num_speculative_tokens`` -> a chain; nothing -> the default
+    tree cut to the heads' depth. Dynamic-tree keys are refused (Medusa heads ignore the path)."""
+    dynamic = [k for k in ("topk", "depth", "num_draft_tokens", "rank_by", "rerank")
+               if getattr(config, k) is not None]
+    if dynamic:
+        raise SpecConfigError(f"method 'medusa' uses a static tree; {dynamic} are dynamic-tree keys")
+    if config.tree is not None:
+        tree = StaticTreeConfig.from_choices(config.tree)
+    elif config.num_speculative_tokens is not None:
+        tree = StaticTreeConfig.chain(config.num_speculative_tokens)
+    else:
+        tree = StaticTreeConfig(tuple(c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= num_heads))
+    if tree.max_depth > num_heads:
+        raise SpecConfigError(f"the tree is {tree.max_depth} deep but the checkpoint has {num_heads} Medusa heads")
+    return tree
+
+
+def typical_config(config: SpeculativeConfig) -> TypicalAcceptance | None:
+    if not config.typical_acceptance:
+        for k in ("posterior_threshold", "posterior_alpha"):
+            if getattr(config, k) is not None:
+                raise SpecConfigError(f"'{k}' only applies with 'typical_acceptance': true (lossy)")
+        return None
+    d = TypicalAcceptance()
+    try:
+        return TypicalAcceptance(
+            posterior_threshold=config.posterior_threshold or d.posterior_threshold,
+            posterior_alpha=config.posterior_alpha or d.posterior_alpha)
+    except ValueError as e:
+        raise SpecConfigError(f"speculative_config typical acceptance: {e}") from e
+
+
+def build_medusa_factory(config: SpeculativeConfig, target):
+    from ..checkpoints import CheckpointError, load_medusa_heads
+    if not config.model:
+        raise SpecConfigError("method 'medusa' needs 'model': a Medusa heads folder (FasterDecoding or vLLM "
+                              "layout); no trained heads are bundled yet")
+    try:
+        heads = load_medusa_heads(config.model, target.model)
+    except CheckpointError as e:
+        raise SpecConfigError(f"speculative_config 'model': {e}") from e
+    tree = medusa_tree(config, heads.cfg.num_heads)
+    typical = typical_config(config)
+    return lambda max_batch, max_len: MedusaDrafter(heads, tree, typical=typical)

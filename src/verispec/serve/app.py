@@ -1,0 +1,663 @@
+"""OpenAI-compatible HTTP API over the continuous-batching ``Scheduler``.
+
+``create_app(llm, config)`` returns a FastAPI app with ``POST /v1/completions``,
+``POST /v1/chat/completions`` (JSON or server-sent events ending with ``data: [DONE]``),
+``GET /v1/models``, ``GET /health`` (never needs the API key) and ``GET /metrics``.
+
+Contract
+- Request bodies are validated by the pydantic models below; unknown fields are ignored (as
+  OpenAI does); invalid JSON, wrong types, out-of-range values, ``n != 1`` and features this
+  server lacks (logprobs, penalties, tools, ...) give 400 in OpenAI's error shape
+  ``{"error": {"message", "type", "param", "code"}}``. Every error response has that shape.
+- A prompt over ``max_prompt_tokens``, or prompt + ``max_tokens`` over ``max_model_len``: 400
+  saying the limit. Bodies over ``max_body_bytes``: 413. Queue full: 429. Unknown model: 404.
+  Wrong or missing ``Authorization: Bearer <api_key>`` when a key is set: 401.
+- Text is the decoded output cut at the first stop string, as ``LLM.generate`` returns it.
+  Streaming sends one chunk per engine step (the new suffix of the decoded output, held back
+  while it ends in an incomplete character or in a possible start of a stop string), so the
+  concatenated deltas equal the non-streamed text. Errors after the stream started are sent as
+  ``data: {"error": ...}`` followed by ``data: [DONE]``.
+- A client that goes away (mid-stream or while waiting) cancels its request.
+- ``response_cache`` > 0: greedy (temperature 0) requests are answered from an LRU of that many
+  entries keyed by everything that determines the output.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any, AsyncIterator, Callable, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..llm import LLM
+from ..sampling import SamplingParams
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .policy import SpecPolicy
+from .scheduler import NotAccepting, QueueFull, RequestFailed, Scheduler, TokenEvent
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+Seed = Annotated[StrictInt, Field(ge=-2**63, le=2**64 - 1)]
+StopList = Annotated[list[Annotated[str, Field(max_length=512)]], Field(max_length=16)]
+
+
+# ---------------------------------------------------------------------------- request models
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    seed: Seed | None = None
+    stop: Annotated[str, Field(max_length=512)] | StopList | None = None
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=64)] | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+
+    def unsupported(self) -> str | None:
+        """Why this request asks for something this server cannot do, or None."""
+        if self.n != 1:
+            return f"n must be 1 (one choice per request is supported), got {self.n}"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty and frequency_penalty are not supported"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        return None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: StrictBool = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+    logprobs: StrictInt | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo or self.suffix or self.logprobs is not None or self.best_of not in (None, 1):
+            return "echo, suffix, logprobs and best_of are not supported"
+        return super().unsupported()
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs or self.top_logprobs:
+            return "logprobs are not supported"
+        if self.tools:
+            return "tools are not supported"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format other than {'type': 'text'} is not supported"
+        return super().unsupported()
+
+
+# ---------------------------------------------------------------------------- configuration
+@dataclass
+class ServeConfig:
+    model_name: str
+    max_num_seqs: int = 8
+    max_model_len: int = 2048
+    max_prompt_tokens: int = 8192
+    api_key: str | None = None
+    max_queue: int = 1024
+    request_timeout: float | None = None
+    response_cache: int = 0
+    policy: SpecPolicy | None = None
+    shutdown_grace_s: float = 10.0
+
+    @property
+    def max_body_bytes(self) -> int:
+        return max(2 << 20, 64 * self.max_prompt_tokens)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: Any = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+# ---------------------------------------------------------------------------- text streaming
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """The text ``LLM.generate`` returns: cut at each stop string in turn."""
+    for s in stop:
+        i = text.find(s)
+        if i >= 0:
+            text = text[:i]
+    return text
+
+
+class TextStream:
+    """Turns token-id increments into text deltas whose concatenation is the final text."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
+        self.decode, self.stop = decode, stop
+        self.ids: list[int] = []
+        self.sent = 0
+        self.text = ""
+
+    def push(self, new_ids: list[int], finished: bool) -> str:
+        self.ids.extend(new_ids)
+        text = self.decode(self.ids)
+        if finished:
+            self.text = cut_at_stop(text, self.stop)
+            safe = len(self.text)
+        else:
+            safe = len(text.rstrip("\ufffd"))
+            for s in self.stop:
+                for n in range(min(len(s) - 1, safe), 0, -1):
+                    if text[:safe].endswith(s[:n]):
+                        safe -= n
+                        break
+            self.text = text
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent:safe], safe
+        return delta
+
+
+# ---------------------------------------------------------------------------- the server
+class _Server:
+    """State shared by the routes: the model, the scheduler, metrics, response cache."""
+
+    def __init__(self, llm: LLM, cfg: ServeConfig):
+        self.llm, self.cfg = llm, cfg
+        self.metrics = ServerMetrics()
+        self.scheduler: Scheduler | None = None
+        self.cache: OrderedDict[tuple, tuple[list[int], str]] = OrderedDict()
+        self.tok_lock = threading.Lock()
+        self.created = int(time.time())
+        self.names = {cfg.model_name, llm.target.name, str(llm.target.path)}
+
+    def start(self) -> None:
+        self.scheduler = Scheduler(self.llm, max_num_seqs=self.cfg.max_num_seqs,
+                                   max_model_len=self.cfg.max_model_len, metrics=self.metrics,
+                                   max_queue=self.cfg.max_queue, request_timeout=self.cfg.request_timeout,
+                                   policy=self.cfg.policy)
+        engine_decode = self.scheduler.engine.decode
+        if engine_decode is not None:           # one tokenizer, used from two threads
+            self.scheduler.engine.decode = lambda ids: self.decode(ids)
+        self.scheduler.start()
+
+    def decode(self, ids: list[int]) -> str:
+        with self.tok_lock:
+            return self.llm._decode(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with self.tok_lock:
+            return self.llm.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    # -- request preparation ---------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.cfg.model_name}`.", param="model", code="model_not_found")
+
+    async def completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request is supported; got a batch of "
+                                    f"{len(prompt)}", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if len(prompt) > self.cfg.max_body_bytes:
+                raise APIError(400, "the prompt is too long", param="prompt")
+            ids = await asyncio.to_thread(self.encode, prompt)   # as LLM.encode_prompt does
+        else:
+            ids = list(prompt)
+            vocab = self.llm.target.config.vocab_size
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                raise APIError(400, f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}",
+                               param="prompt")
+        return ids
+
+    async def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+
+        def render() -> list[int]:
+            with self.tok_lock:
+                text = self.llm.apply_chat_template(plain)
+                return self.llm.tokenizer(text, add_special_tokens=False).input_ids
+        try:
+            return await asyncio.to_thread(render)     # as LLM.chat does
+        except Exception as e:      # noqa: BLE001 - a template may reject any conversation
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+
+    def sampling_params(self, req: _Common, n_prompt: int, max_tokens: int | None,
+                        kind: str) -> SamplingParams:
+        """Check the limits and build ``SamplingParams``; raises ``APIError`` (400)."""
+        why = req.unsupported()
+        if why:
+            raise APIError(400, why)
+        if n_prompt == 0:
+            raise APIError(400, f"the {kind} is empty", param=kind)
+        limit = self.cfg.max_model_len
+        if n_prompt > self.cfg.max_prompt_tokens:
+            raise APIError(400, f"The {kind} has {n_prompt} tokens, more than this server's limit of "
+                                f"{self.cfg.max_prompt_tokens} prompt tokens (--max-prompt-tokens).",
+                           param=kind, code="context_length_exceeded")
+        if max_tokens is None and n_prompt >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                                f"{kind} resulted in {n_prompt} tokens. Please reduce the length of the "
+                                f"{kind}.", param=kind, code="context_length_exceeded")
+        max_tokens = max_tokens if max_tokens is not None else limit - n_prompt
+        if n_prompt + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                                f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {kind}, "
+                                f"{max_tokens} in the completion). Please reduce the length of the "
+                                f"{kind} or completion.", param=kind, code="context_length_exceeded")
+        try:
+            return SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k is None else req.top_k, max_tokens=max_tokens,
+                seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+                stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    # -- generation ------------------------------------------------------------------------
+    def cache_key(self, ids: list[int], p: SamplingParams) -> tuple | None:
+        if self.cfg.response_cache <= 0 or not p.greedy:
+            return None
+        return (tuple(ids), p.max_tokens, tuple(p.stop), tuple(p.stop_token_ids), p.ignore_eos)
+
+    def cache_get(self, key: tuple | None) -> tuple[list[int], str] | None:
+        if key is None or key not in self.cache:
+            return None
+        self.cache.move_to_end(key)
+        self.metrics.cache_hits.inc()
+        return self.cache[key]
+
+    def cache_put(self, key: tuple | None, ids: list[int], reason: str | None) -> None:
+        if key is None or reason not in ("stop", "length"):
+            return
+        self.cache[key] = (list(ids), reason)
+        self.cache.move_to_end(key)
+        while len(self.cache) > self.cfg.response_cache:
+            self.cache.popitem(last=False)
+
+    def submit(self, ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """Events of a new request, or of a cached answer."""
+        key = self.cache_key(ids, params)
+        hit = self.cache_get(key)
+        if hit is not None:
+            return _replay(hit)
+        if self.scheduler is None:
+            raise APIError(503, "the server is not running", "service_unavailable")
+        try:
+            handle = self.scheduler.submit(ids, params)
+        except QueueFull as e:
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full") from e
+        except NotAccepting as e:
+            raise APIError(503, str(e), "service_unavailable") from e
+        return self._recording(self.scheduler.events(handle), key)
+
+    async def _recording(self, events: AsyncIterator[TokenEvent], key: tuple | None) -> AsyncIterator[TokenEvent]:
+        ids: list[int] = []
+        async with contextlib.aclosing(events):
+            async for ev in events:
+                ids.extend(ev.token_ids)
+                if ev.finished:
+                    self.cache_put(key, ids, ev.finish_reason)
+                yield ev
+
+
+async def _replay(hit: tuple[list[int], str]) -> AsyncIterator[TokenEvent]:
+    yield TokenEvent(list(hit[0]), True, hit[1])
+
+
+async def _until_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+async def race_disconnect(request: Request, coro) -> Any:
+    """Await ``coro``; if the client disconnects first, cancel it and raise ``ClientGone``."""
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone()
+
+
+# ---------------------------------------------------------------------------- responses
+@dataclass
+class _Shape:
+    """How one endpoint names and wraps its outputs."""
+    chat: bool
+    rid: str
+    created: int
+    model: str
+
+    def full(self, text: str, reason: str, usage: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": usage}
+
+    def chunk(self, delta: str | None, reason: str | None, usage: Any = False, role: bool = False) -> dict:
+        if self.chat:
+            d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            choices = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]
+        else:
+            choices = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}]
+        out = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if usage is not False:
+            out["usage"] = usage
+        return out
+
+    def usage_chunk(self, usage: dict) -> dict:
+        out = self.chunk(None, None, usage)
+        out["choices"] = []
+        return out
+
+
+def _usage(n_prompt: int, n_out: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its body iterator (so the request is cancelled
+    when the client goes away, whichever way the server notices)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def respond(srv: _Server, request: Request, req: _Common, ids: list[int],
+                  params: SamplingParams, shape: _Shape) -> Response:
+    events = srv.submit(ids, params)
+    stream = TextStream(srv.decode, params.stop)
+    if not req.stream:
+        async def collect() -> tuple[int, str | None]:
+            async with contextlib.aclosing(events):
+                async for ev in events:
+                    stream.push(ev.token_ids, ev.finished)
+                    if ev.finished:
+                        return len(stream.ids), ev.finish_reason
+            return len(stream.ids), "abort"
+        n_out, reason = await race_disconnect(request, collect())
+        return JSONResponse(shape.full(stream.text, reason or "stop", _usage(len(ids), n_out)))
+    first = await race_disconnect(request, events.__anext__())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    body = _sse_body(events, first, stream, shape, len(ids), include_usage)
+    return SSEResponse(body, media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _sse_body(events: AsyncIterator[TokenEvent], first: TokenEvent, stream: TextStream,
+                    shape: _Shape, n_prompt: int, include_usage: bool) -> AsyncIterator[str]:
+    usage_field: Any = None if include_usage else False
+    async with contextlib.aclosing(events):
+        try:
+            if shape.chat:
+                yield _sse(shape.chunk(None, None, usage_field, role=True))
+            ev = first
+            while True:
+                delta = stream.push(ev.token_ids, ev.finished)
+                if delta or ev.finished:
+                    yield _sse(shape.chunk(delta, ev.finish_reason if ev.finished else None, usage_field))
+                if ev.finished:
+                    break
+                ev = await events.__anext__()
+            if include_usage:
+                yield _sse(shape.usage_chunk(_usage(n_prompt, len(stream.ids))))
+        except RequestFailed as e:
+            yield _sse(error_body(e.event.message, e.event.type, None, e.event.status))
+        yield _sse("[DONE]")
+
+
+# ---------------------------------------------------------------------------- middleware
+class GuardMiddleware:
+    """Pure ASGI: API-key check (all paths but ``/health``) and a request-body size limit."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, on_error: Callable[[int], None]):
+        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+        self.on_error = on_error
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.api_key is not None and scope["path"] != "/health":
+            why = self._auth_problem(dict(scope["headers"]).get(b"authorization", b""))
+            if why:
+                return await self._reject(scope, receive, send, 401, why, "invalid_api_key")
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            body, more = [], True
+            size = 0
+            while more:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+                size += len(msg.get("body", b""))
+                if size > self.max_body:
+                    return await self._reject(scope, receive, send, 413,
+                                              f"the request body exceeds {self.max_body} bytes",
+                                              "request_too_large")
+                body.append(msg.get("body", b""))
+                more = msg.get("more_body", False)
+            receive = _replay_body(b"".join(body), receive)
+        await self.app(scope, receive, send)
+
+    def _auth_problem(self, header: bytes) -> str | None:
+        value = header.decode("latin-1").strip()
+        scheme, _, token = value.partition(" ")
+        if not value:
+            return "You didn't provide an API key: send 'Authorization: Bearer <key>'."
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"),
+                                                                self.api_key.encode("utf-8")):
+            return "Incorrect API key provided."
+        return None
+
+    async def _reject(self, scope, receive, send, status: int, message: str, code: str) -> None:
+        self.on_error(status)
+        type_ = "invalid_request_error"
+        await error_response(status, message, type_, None, code)(scope, receive, send)
+
+
+def _replay_body(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
+
+
+# ---------------------------------------------------------------------------- the app
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """The JSON body (whatever the Content-Type says) validated by ``model``; 400 otherwise."""
+    raw = await request.body()
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"The request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"The request body must be a JSON object, got {type(obj).__name__}.",
+                       code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_input=False, include_context=False)) from None
+    except RecursionError:
+        raise APIError(400, "The request body is nested too deeply.", code="invalid_value") from None
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    msg = f"{where}: {first.get('msg')}{more}" if where else f"{first.get('msg')}{more}"
+    return APIError(400, msg, param=where or None, code="invalid_value")
+
+
+def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
+    """The FastAPI app; its lifespan starts the scheduler thread and stops it gracefully."""
+    srv = _Server(llm, cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        srv.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(srv.scheduler.stop, cfg.shutdown_grace_s)
+
+    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = srv
+    count_error = lambda status: srv.metrics.http_errors.labels(status=str(status)).inc()  # noqa: E731
+    app.add_middleware(GuardMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+                       on_error=count_error)
+    _install_error_handlers(app, count_error)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if srv.scheduler is None or not srv.scheduler.alive:
+            return error_response(503, "the scheduler is not running", "service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": cfg.model_name, "object": "model", "created": srv.created, "owned_by": "verispec",
+                "root": str(llm.target.path), "max_model_len": cfg.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
+        srv.check_model(body.model)
+        ids = await srv.completion_prompt(body.prompt)
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        params = srv.sampling_params(body, len(ids), max_tokens, "prompt")
+        shape = _Shape(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), cfg.model_name)
+        return await respond(srv, request, body, ids, params, shape)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
+        srv.check_model(body.model)
+        ids = await srv.chat_prompt(body.messages)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = srv.sampling_params(body, len(ids), max_tokens, "messages")
+        shape = _Shape(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), cfg.model_name)
+        return await respond(srv, request, body, ids, params, shape)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI, count_error: Callable[[int], None]) -> None:
+    """Every error leaves in OpenAI's shape; validation errors are 400 as OpenAI sends them."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        count_error(exc.status)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        count_error(400)
+        err = validation_error(list(exc.errors()))
+        return error_response(err.status, err.message, err.type, err.param, err.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        count_error(exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(RequestFailed)
+    async def failed(request: Request, exc: RequestFailed) -> Response:
+        count_error(exc.event.status)
+        return error_response(exc.event.status, exc.event.message, exc.event.type, None, exc.event.status)
+
+    @app.exception_handler(ClientGone)
+    async def gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> Response:
+        count_error(500)
+        return error_response(500, f"internal server error: {type(exc).__name__}", "internal_error")

@@ -1,0 +1,610 @@
+"""``verispec serve``: OpenAI compatibility, continuous batching, limits, auth, metrics, policy.
+
+Two real servers run in subprocesses (``python -m verispec.serve``) for the whole module:
+``plain`` (no speculation, no key) and ``guarded`` (ngram speculation with a batch-size table,
+an API key, small prompt limit, response cache). In-process servers (uvicorn in a thread) cover
+what needs a hook into the engine: engine failures, timeouts, a full queue.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from verispec import LLM, SamplingParams  # noqa: E402
+from verispec.drafters.base import DraftRequest  # noqa: E402
+from verispec.drafters.ngram import NgramDrafter  # noqa: E402
+from verispec.engine import Engine, Sequence  # noqa: E402
+from verispec.serve.app import ServeConfig, TextStream, create_app  # noqa: E402
+from verispec.serve.policy import (AutoPolicy, PolicyDrafter, StaticPolicy, TablePolicy,  # noqa: E402
+                                   parse_policy)
+from verispec.tree import DraftTree  # noqa: E402
+
+MODEL = "smollm2-135m"
+KEY = "sk-test-7f3a"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+TABLE = {"1": 4, "3": 2, "4": 0}
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY16 = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+# ---------------------------------------------------------------------------- server processes
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Two server processes and this one share the cores: one intra-op thread each (more
+    threads than free cores make every OpenMP barrier spin)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A ``python -m verispec.serve`` subprocess on a free loopback port."""
+
+    def __init__(self, *args: str, api_key: str | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "verispec.serve", "--model", MODEL, "--port", str(self.port),
+               "--num-threads", "1", "--log-level", "warning", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+        env.pop("VERISPEC_API_KEY", None)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.http = httpx.Client(base_url=self.url, timeout=120)      # one client: no per-call setup
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def wait_ready(self, timeout: float = 150.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if self.http.get("/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        pytest.fail(f"server not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text()[-4000:]
+
+    def client(self) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0,
+                             timeout=120)
+
+    def post(self, path: str, body: dict, **kw) -> httpx.Response:
+        return self.http.post(path, json=body, headers=self.headers, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """Sample name (with sorted labels) -> value."""
+        text = self.http.get("/metrics", headers=self.headers).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    plain = ServerProcess("--max-num-seqs", "8", "--max-model-len", "512")
+    guarded = ServerProcess("--speculative-config", json.dumps(NGRAM), "--num-speculative-tokens-per-batch-size",
+                            json.dumps(TABLE), "--max-num-seqs", "4", "--max-model-len", "512",
+                            "--max-prompt-tokens", "256", "--max-queue", "64", "--request-timeout", "60",
+                            "--response-cache", "16", api_key=KEY)
+    try:
+        plain.wait_ready()
+        guarded.wait_ready()
+        yield {"plain": plain, "guarded": guarded}
+    finally:
+        plain.stop()
+        guarded.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(servers) -> ServerProcess:
+    return servers["plain"]
+
+
+@pytest.fixture(scope="module")
+def guarded(servers) -> ServerProcess:
+    return servers["guarded"]
+
+
+def _ref(llm: LLM, prompt: str, max_tokens: int = 16, **kw):
+    return llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw))[0]
+
+
+def _stream_text(chunks, chat: bool = False) -> tuple[str, str | None, object]:
+    text, reason, usage = [], None, None
+    for ch in chunks:
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            text.append((c.delta.content or "") if chat else c.text)
+            reason = c.finish_reason or reason
+    return "".join(text), reason, usage
+
+
+# ---------------------------------------------------------------------------- OpenAI client
+PROMPTS = ["The capital of France is", 'Translate "thank you" into Japanese:',
+           "Here is a list of emoji: 😀 😃"]
+
+
+@pytest.fixture(scope="module")
+def refs(llm) -> dict:
+    """Greedy 16-token ``LLM.generate`` outputs of ``PROMPTS``."""
+    return {p: _ref(llm, p, 16) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("which", ["plain", "guarded"])
+def test_openai_client_completions_match_llm_generate(servers, refs, which):
+    srv = servers[which]
+    client = srv.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    for prompt in PROMPTS if which == "plain" else PROMPTS[1:2]:
+        ref = refs[prompt]
+        full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+        streamed, reason, usage = _stream_text(client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        assert full.choices[0].text == streamed == ref.text, prompt
+        assert full.choices[0].finish_reason == reason == ref.finish_reason
+        assert full.usage.completion_tokens == usage.completion_tokens == len(ref.token_ids)
+        assert full.usage.prompt_tokens == usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        assert full.id.startswith("cmpl-") and full.object == "text_completion" and full.model == MODEL
+
+
+def test_openai_client_chat_and_stop_strings(plain, llm):
+    client = plain.client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three fruits."}]
+    ref = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=16))[0]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True))
+    streamed, reason, _ = _stream_text(chunks, chat=True)
+    assert full.choices[0].message.content == streamed == ref.text
+    assert full.choices[0].message.role == "assistant" and chunks[0].choices[0].delta.role == "assistant"
+    assert full.choices[0].finish_reason == reason == ref.finish_reason
+    assert full.object == "chat.completion" and chunks[0].object == "chat.completion.chunk"
+    # a stop string from the middle of the reference text: cut there, never streamed past it
+    words = ref.text.split()
+    stop = [words[len(words) // 2], "\n\n\n\n"]
+    ref_stop = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=16, stop=stop))[0]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=stop)
+    streamed, reason, _ = _stream_text(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=stop, stream=True), chat=True)
+    assert full.choices[0].message.content == streamed == ref_stop.text
+    assert stop[0] not in streamed and reason == "stop" == full.choices[0].finish_reason
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
+    data = "añb→c STOP".encode()
+    tokens = [bytes([b]) for b in data]                    # one byte per token
+
+    def decode(ids):
+        return b"".join(tokens[i] for i in ids).decode("utf-8", errors="replace")
+    ts = TextStream(decode, ["STOP"])
+    deltas = [ts.push([i], False) for i in range(len(tokens) - 1)] + [ts.push([len(tokens) - 1], True)]
+    assert "".join(deltas) == "añb→c " and all("\ufffd" not in d for d in deltas)
+    assert not any(d.endswith(("S", "ST", "STO")) for d in deltas)
+
+
+# ---------------------------------------------------------------------------- continuous batching
+def test_16_concurrent_streams_match_their_solo_outputs(plain, llm, spec_bench):
+    """16 streams at once (8 rows: half of them queue) against each prompt decoded alone (batch 1,
+    in this process, in parallel with the server; the server alone equals ``LLM.generate``)."""
+    prompts = [q["turns"][0][:120] for q in spec_bench[:16]]
+    body = {"model": MODEL, "max_tokens": 16, "temperature": 0}
+    alone = LLM(loaded=llm.target, max_num_seqs=1)
+    client = plain.client()
+    barrier = threading.Barrier(len(prompts))
+
+    def stream(p: str) -> str:
+        barrier.wait()
+        return _stream_text(client.completions.create(prompt=p, stream=True, **body))[0]
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(stream, p) for p in prompts]
+        solo = [o.text for o in alone.generate(prompts, GREEDY16)]
+        together = [f.result() for f in futures]
+    assert together == solo
+
+
+def test_client_disconnect_mid_stream_frees_its_row(plain):
+    before = plain.metrics()
+    body = {"model": MODEL, "prompt": "Count from one to one hundred:", "max_tokens": 400, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", plain.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        got = []
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                got.append(line)
+            if len(got) == 3:
+                break
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        after = plain.metrics()
+        aborted = after['verispec:request_finished_total{finished_reason=abort}'] - \
+            before['verispec:request_finished_total{finished_reason=abort}']
+        if aborted >= 1 and after["verispec:num_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert aborted == 1 and after["verispec:num_requests_running"] == 0
+    generated = after["verispec:generation_tokens_total"] - before["verispec:generation_tokens_total"]
+    assert 3 <= generated < 400
+
+
+def test_metrics_parse_and_match_the_work_done(plain):
+    before = plain.metrics()
+    client = plain.client()
+    outs = [client.completions.create(model=MODEL, prompt="One, two,", max_tokens=5, temperature=0),
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=9, temperature=0.8, seed=3,
+                                      extra_body={"ignore_eos": True}),
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=7, temperature=0)]
+    after = plain.metrics()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    assert delta("verispec:generation_tokens_total") == sum(o.usage.completion_tokens for o in outs)
+    assert delta("verispec:prompt_tokens_total") == sum(o.usage.prompt_tokens for o in outs)
+    finished = sum(delta(f"verispec:request_finished_total{{finished_reason={r}}}") for r in ("stop", "length"))
+    assert finished == 3
+    assert delta("verispec:time_to_first_token_seconds_count") == 3
+    assert delta("verispec:e2e_request_latency_seconds_count") == 3
+    assert delta("verispec:inter_token_latency_seconds_count") == sum(o.usage.completion_tokens - 1 for o in outs)
+    assert after["verispec:num_requests_running"] == 0 and after["verispec:num_requests_waiting"] == 0
+    assert after["verispec:spec_decode_num_drafts_total"] == 0          # no speculation on this server
+
+
+def test_speculative_server_counts_drafts(guarded, llm):
+    before = guarded.metrics()
+    prompt = "Repeat after me: the cat sat on the mat. the cat sat on the mat. the cat"
+    out = guarded.client().completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    assert out.choices[0].text == _ref(llm, prompt, 16).text
+    after = guarded.metrics()
+    drafts = after["verispec:spec_decode_num_drafts_total"] - before["verispec:spec_decode_num_drafts_total"]
+    draft_toks = after["verispec:spec_decode_num_draft_tokens_total"] - \
+        before["verispec:spec_decode_num_draft_tokens_total"]
+    accepted = after["verispec:spec_decode_num_accepted_tokens_total"] - \
+        before["verispec:spec_decode_num_accepted_tokens_total"]
+    assert drafts > 0 and 0 < accepted <= draft_toks <= 4 * drafts
+    per_pos = [after.get(f"verispec:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}", 0.0)
+               for i in range(1, 5)]
+    assert per_pos == sorted(per_pos, reverse=True) and per_pos[0] >= 1
+    assert after["verispec:spec_decode_draft_budget"] == 4      # batch size 1 -> table entry 4
+    # the second identical greedy request is answered by the response cache, without engine work
+    again = guarded.client().completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    final = guarded.metrics()
+    assert again.choices[0].text == out.choices[0].text
+    assert final["verispec:response_cache_hits_total"] == after["verispec:response_cache_hits_total"] + 1
+    assert final["verispec:generation_tokens_total"] == after["verispec:generation_tokens_total"]
+
+
+# ---------------------------------------------------------------------------- hostile requests
+def _hostile_cases(long_prompt: str) -> list[tuple[str, str, object, dict | None, set[int]]]:
+    """(method, path, body (dict | bytes | None), headers override, allowed statuses)."""
+    cases: list = []
+    c, ch = "/v1/completions", "/v1/chat/completions"
+    ok_c = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    ok_ch = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    bad_common = {
+        "max_tokens": ["16", 1.5, -1, 0, 10**20, True, 2**63, [], {}],
+        "temperature": [-1, 3, "hot", float("nan"), float("inf"), [0], 1e308],
+        "top_p": [0, 1.5, -0.1, "x", float("-inf")],
+        "top_k": [-5, "x", 1.5],
+        "seed": [2**65, -2**64, "x", 1.5, [1]],
+        "stop": [5, [1, 2], [""], ["x"] * 100, "a" * 10000, {"a": 1}],
+        "n": [2, 0, -1, "1", 10**9],
+        "stream": ["yes", 2, None, [True]],
+        "stream_options": ["x", {"include_usage": "yes"}, 5],
+        "model": ["gpt-4", 123, ["x"]],
+        "stop_token_ids": ["x", [1.5], list(range(1000))],
+        "ignore_eos": ["no", 3],
+        "logit_bias": [{"1": 5}, "x"],
+        "presence_penalty": [1.0, "x"],
+        "frequency_penalty": [2.0],
+    }
+    for base, path in ((ok_c, c), (ok_ch, ch)):
+        for field, values in bad_common.items():
+            for v in values:
+                cases.append(("POST", path, dict(base, **{field: v}), None, {400, 404}))
+        for field in base:
+            if field in ("prompt", "messages"):
+                cases.append(("POST", path, {k: v for k, v in base.items() if k != field}, None, {400}))
+        for raw in (b"", b"{", b"null", b"[]", b"123", b'"str"', b'{"prompt": }', b"[" * 100000,
+                    b"\xff\xfe\x00", b'{"max_tokens": 1e999999}', b'{"a": ' + b"9" * 5000 + b"}",
+                    b"{" * 50000 + b"}" * 50000, b"\x00" * 100):
+            cases.append(("POST", path, raw, None, {400}))
+        for hdr in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic " + KEY},
+                    {"Authorization": "Bearer"}, {"Authorization": KEY}, {"Authorization": "Bearer " + KEY + "x"},
+                    {"Authorization": "Bearer \u00e9".encode()}):
+            cases.append(("POST", path, base, hdr, {401}))
+        cases.append(("POST", path, dict(base, unknown_field=1, metadata={"x": [1]}), None, {200}))
+        cases.append(("POST", path, dict(base, max_tokens=1, stream=True), None, {200}))
+        cases.append(("POST", path, dict(base, max_tokens=600), None, {400}))
+        cases.append(("GET", path, None, None, {405}))
+    for v in (123, None, {}, [1.5], [[]], ["a", "b"], [-1], [10**12], True, [], "", [[1, "x"]]):
+        cases.append(("POST", c, dict(ok_c, prompt=v), None, {400}))
+    cases.append(("POST", c, dict(ok_c, prompt=long_prompt), None, {400}))
+    cases.append(("POST", c, dict(ok_c, prompt=[5] * 300), None, {400}))
+    cases.append(("POST", c, dict(ok_c, prompt=[5] * 200, max_tokens=400), None, {400}))
+    cases.append(("POST", c, dict(ok_c, prompt="x" * (3 << 20)), None, {413}))
+    for v in (dict(ok_c, echo=True), dict(ok_c, logprobs=2), dict(ok_c, best_of=3), dict(ok_c, suffix="x")):
+        cases.append(("POST", c, v, None, {400}))
+    for v in ([], "hi", [{}], [{"role": "alien", "content": "x"}], [{"role": "user", "content": 5}],
+              [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+              [{"role": "user"}] * 3, [{"content": "x"}], [None], [{"role": "user", "content": long_prompt}]):
+        cases.append(("POST", ch, dict(ok_ch, messages=v), None, {200, 400}))
+    for v in (dict(ok_ch, logprobs=True), dict(ok_ch, tools=[{"type": "function"}]),
+              dict(ok_ch, response_format={"type": "json_object"}), dict(ok_ch, max_completion_tokens=-3)):
+        cases.append(("POST", ch, v, None, {400}))
+    for path in ("/v1/models", "/metrics"):
+        cases.append(("GET", path, None, {}, {401}))
+        cases.append(("GET", path, None, {"Authorization": "Bearer nope"}, {401}))
+    cases += [("GET", "/nope", None, None, {404}), ("DELETE", "/v1/models", None, None, {405}),
+              ("GET", "/health", None, {}, {200})]
+    return cases
+
+
+def _send(srv: ServerProcess, case) -> tuple[int, object]:
+    method, path, body, headers, _ = case
+    h = dict(srv.headers) if headers is None else dict(headers)
+    if body is None:
+        r = srv.http.request(method, path, headers=h)
+    else:
+        content = body if isinstance(body, bytes) else json.dumps(body, allow_nan=True).encode()
+        r = srv.http.request(method, path, content=content, headers=dict(h, **{"Content-Type": "application/json"}))
+    return r.status_code, r
+
+
+def test_hostile_requests_never_5xx_and_server_keeps_serving(guarded, llm):
+    long_prompt = "word " * 400
+    cases = _hostile_cases(long_prompt)
+    assert len(cases) >= 200
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda cs: _send(guarded, cs), cases))
+    bad = [(cs[:2], str(cs[2])[:80], status, r.text[:200]) for cs, (status, r) in zip(cases, results)
+           if status not in cs[4]]
+    assert not bad, bad[:10]
+    assert all(status < 500 for status, _ in results)
+    for cs, (status, r) in zip(cases, results):
+        if 400 <= status < 500 and cs[0] == "POST":
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    msg = guarded.post("/v1/completions", {"prompt": [5] * 200, "max_tokens": 400}).json()["error"]["message"]
+    assert "maximum context length is 512 tokens" in msg and "(200 in the prompt, 400 in the completion)" in msg
+    msg = guarded.post("/v1/completions", {"prompt": [5] * 300}).json()["error"]["message"]
+    assert "300 tokens" in msg and "256" in msg
+    # still serving, with the same answer as the library
+    out = guarded.client().completions.create(model=MODEL, prompt="The sky is", max_tokens=12, temperature=0)
+    assert out.choices[0].text == _ref(llm, "The sky is", 12).text
+    m = guarded.metrics()
+    assert m["verispec:num_requests_running"] == 0 and m["verispec:http_errors_total{status=401}"] >= 14
+
+
+# ---------------------------------------------------------------------------- in-process: engine hooks
+class InProcessServer:
+    """uvicorn in a thread of the test process, serving the session's ``LLM``."""
+
+    def __init__(self, llm: LLM, **cfg):
+        import uvicorn
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(llm, ServeConfig(model_name=MODEL, max_model_len=256, **cfg))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "InProcessServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.server.started
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    @property
+    def scheduler(self):
+        return self.app.state.server.scheduler
+
+    def post(self, body: dict) -> httpx.Response:
+        return httpx.post(self.url + "/v1/completions", json=body, timeout=60)
+
+
+def test_engine_errors_fail_requests_but_not_the_server(llm):
+    body = {"model": MODEL, "prompt": "The sky is", "max_tokens": 8, "temperature": 0}
+    with InProcessServer(llm, max_num_seqs=2) as srv:
+        eng = srv.scheduler.engine
+        real_step, real_add = eng.step, eng.add
+        calls = {"step": 0, "add": 0}
+
+        def bad_step():
+            calls["step"] += 1
+            eng.step = real_step
+            raise RuntimeError("simulated kernel failure")
+
+        def bad_add(seq):
+            calls["add"] += 1
+            eng.add = real_add
+            seq.row = eng.free_rows.pop()      # fail after taking a row, as a failing prefill would
+            raise RuntimeError("simulated prefill failure")
+        eng.step = bad_step
+        r = srv.post(body)
+        assert r.status_code == 500 and "simulated kernel failure" in r.json()["error"]["message"]
+        eng.add = bad_add
+        r = srv.post(body)
+        assert r.status_code == 500 and "simulated prefill failure" in r.json()["error"]["message"]
+        assert calls == {"step": 1, "add": 1}
+        assert sorted(eng.free_rows) == [0, 1] and not eng.running
+        ok = srv.post(body)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == _ref(llm, "The sky is", 8).text
+        assert srv.scheduler._thread.is_alive() and httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_request_timeout_and_queue_full(llm):
+    with InProcessServer(llm, max_num_seqs=1, max_queue=1, request_timeout=0.5) as srv:
+        r = srv.post({"prompt": "Once upon a time", "max_tokens": 200})
+        assert r.status_code == 408 and "timed out" in r.json()["error"]["message"]
+        srv.scheduler.request_timeout = None
+        body = {"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=dict(body, stream=True), timeout=60) as s1:
+            assert s1.status_code == 200                        # admitted: the only row is busy
+            with cf.ThreadPoolExecutor(1) as pool:
+                queued = pool.submit(srv.post, body)
+                deadline = time.monotonic() + 10
+                while srv.scheduler.num_waiting < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                full = srv.post(body)
+                assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error"
+                assert [line for line in s1.iter_lines() if line][-1] == "data: [DONE]"
+                assert queued.result().status_code == 200
+
+
+# ---------------------------------------------------------------------------- speculation policy
+class _Recorder:
+    """A drafter that proposes a fixed 6-node tree and records the calls it gets."""
+    hidden_layers, needs_last_hidden, max_tree_nodes = (), False, 6
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def start(self, row, prompt_ids, features):
+        self.calls.append("start")
+
+    def accept(self, row, committed_ids, features):
+        self.calls.append("accept")
+
+    def release(self, row):
+        self.calls.append("release")
+
+    def propose(self, requests):
+        self.calls.append(f"propose{len(requests)}")
+        q = torch.softmax(torch.randn(6, 10), -1)
+        return [DraftTree(torch.arange(6), torch.tensor([-1, -1, 0, 0, 2, 4]), q) for _ in requests]
+
+
+def test_policy_table_and_parsing():
+    t = parse_policy({"1": 4, "4": 2, "16": 0})
+    assert isinstance(t, TablePolicy)
+    t.bind(5)
+    assert [t.budget(b) for b in (1, 3, 4, 15, 16, 64)] == [4, 4, 2, 2, 0, 0]
+    assert isinstance(parse_policy("auto"), AutoPolicy) and isinstance(parse_policy(None), AutoPolicy)
+    assert isinstance(parse_policy("static"), StaticPolicy)
+    for bad in ("{", "[]", {}, {"x": 1}, {"0": 1}, {"1": -1}, {"1": 1.5}, "fast"):
+        with pytest.raises(ValueError):
+            parse_policy(bad)
+
+
+def test_policy_drafter_truncates_and_delegates():
+    inner = _Recorder()
+    pd = PolicyDrafter(inner, TablePolicy({1: 6, 2: 3, 3: 0}))
+    req = DraftRequest(0, [1, 2, 3], GREEDY16, torch.Generator())
+    pd.start(0, [1, 2], None)
+    (tree,) = pd.propose([req])
+    assert len(tree) == 6 and pd.last_budget == 6
+    trees = pd.propose([req, req])
+    assert all(len(t) == 3 and t.q.shape == (3, 10) and t.parents.tolist() == [-1, -1, 0] for t in trees)
+    assert [len(t) for t in pd.propose([req] * 3)] == [0, 0, 0] and pd.last_budget == 0
+    pd.accept(0, [3], None)
+    pd.release(0)
+    assert inner.calls == ["start", "propose1", "propose2", "accept", "release"]   # budget 0: not asked
+    assert pd.max_tree_nodes == 6 and pd.hidden_layers == () and pd.needs_last_hidden is False
+
+
+def test_auto_policy_prefers_the_faster_budget():
+    p = AutoPolicy(explore_every=10)
+    p.bind(4)
+    assert p.arms == [0, 2, 4]
+    for _ in range(30):
+        k = p.budget(1)
+        p.observe(1, k, 0.1, {0: 1, 2: 3, 4: 2}[k])      # budget 2 emits the most per second
+        k32 = p.budget(32)
+        p.observe(32, k32, 0.5 if k32 == 0 else 1.5, 32)  # at batch 32 drafting only costs
+    chosen1 = [p.budget(1) for _ in range(9)]
+    chosen32 = [p.budget(32) for _ in range(9)]
+    assert chosen1.count(2) >= 8 and chosen32.count(0) >= 8
+
+
+def test_policy_engine_output_equals_plain_decoding(llm):
+    """Budgets change per step as the batch shrinks; greedy outputs stay those of plain decoding."""
+    target = llm.target
+    prompts = [llm.tokenizer(p).input_ids for p in ("a b c a b c a b", "1, 2, 3, 1, 2, 3,", "The cat sat")]
+
+    def run(drafter):
+        eng = Engine(target.model, drafter, max_batch=3, max_len=400, eos_token_ids=llm.eos_token_ids,
+                     decode=llm._decode)
+        seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=6 + 5 * i))
+                for i, p in enumerate(prompts)]
+        eng.run(seqs)
+        return [s.output_ids for s in seqs], eng.stats
+    plain, _ = run(None)
+    table = TablePolicy({1: 4, 2: 2, 3: 0})
+    spec, stats = run(PolicyDrafter(NgramDrafter(4), table))
+    assert spec == plain
+    assert 0 < stats.num_drafts < stats.num_steps          # drafted only once the batch shrank
+
+
+# ---------------------------------------------------------------------------- shutdown (last)
+def test_graceful_shutdown_finishes_the_running_stream(plain):
+    body = {"model": MODEL, "prompt": "List the days of the week:", "max_tokens": 24, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", plain.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        assert json.loads(first[5:])["choices"][0]["finish_reason"] is None
+        plain.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data:")]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "length"
+    # uvicorn re-raises the signal it handled once it has shut down cleanly
+    assert plain.proc.wait(40) in (0, -signal.SIGTERM)
+    log = plain.output()
+    assert "Traceback" not in log
