@@ -40,3 +40,12 @@ def chat_prompts(target, spec_bench):
                                        add_generation_prompt=True)
         out.append(tok(text, add_special_tokens=False).input_ids)
     return out
+
+
+@pytest.fixture
+def single_thread():
+    """Tiny-tensor tests run far faster on one thread (no OpenMP barriers per op)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -56,8 +56,17 @@ def test_tiny_run_writes_wellformed_files(tiny):
     # greedy: every method's output equals vanilla's up to numerical ties
     assert suite["fidelity"] and all(f["status"] in ("identical", "tie") for f in suite["fidelity"])
     md = (out / "report.md").read_text()
-    assert "| Method | qa | translation | **Overall** |" in md
+    assert "| Method | translation | qa | **Overall** |" in md
     assert "Where speculation stops paying" in md and "![speedup_per_category]" in md
+
+
+def test_report_rerenders_from_results_json(tiny, tmp_path):
+    result, out = tiny
+    again = report_mod.load_results(out / "results.json")
+    write_report(tmp_path, again)
+    first = json.loads((out / "results.json").read_text())["suites"][0]
+    second = json.loads((tmp_path / "results.json").read_text())["suites"][0]
+    assert second["summary"] == first["summary"] and second["records"] == first["records"]
 
 
 def test_multi_turn_asks_turn_two_after_own_answer(target):
@@ -165,6 +174,11 @@ def test_methods_resolve_with_defaults_and_unavailable_reasons(tmp_path, monkeyp
     assert qwen["draft_model"].config["model"] == "qwen2.5-coder-0.5b"
     with pytest.raises(BenchError, match="unknown method 'warp'"):
         resolve_methods(BenchConfig(methods=("warp",)), "smollm2-135m", 30)
+    with pytest.raises(BenchError, match="vanilla"):
+        resolve_methods(BenchConfig(method_configs={"vanilla": {"method": "ngram"}}), "smollm2-135m", 30)
+    custom = resolve_methods(BenchConfig(methods=("pld10",), method_configs={
+        "pld10": {"peer": "hf-pld", "prompt_lookup_num_tokens": 10}}), "smollm2-135m", 30)[1]
+    assert (custom.kind, custom.config) == ("hf-pld", {"prompt_lookup_num_tokens": 10})
 
 
 def test_batches_are_category_pure_and_full():

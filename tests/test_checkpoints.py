@@ -145,7 +145,7 @@ def test_specforge_checkpoint_loads_and_means_what_it_says(tiny, tmp_path):
     computable by hand from the official tensors (concat order, which norm goes where, d2t)."""
     t = specforge_tensors(torch.Generator().manual_seed(3))
     head = load_eagle_head(write_ckpt(tmp_path, specforge_config(), t), tiny, HeadKind.EAGLE3)
-    assert head.hidden_layers == (1, 2, 2)                 # default ids (2, 3, 3) for 6 layers
+    assert head.aux_layers == (1, 2, 2) and head.hidden_layers == (1, 2)   # default ids (2, 3, 3), 6 layers
     feats = TargetFeatures({i: torch.randn(1, H) for i in (1, 2)})
     tok = torch.tensor([[5]])
     fused = F.linear(torch.cat([feats.hidden[1], feats.hidden[2], feats.hidden[2]], -1), t["fc.weight"])

@@ -122,14 +122,14 @@ CASES = [("chain", 1.0, 1.0), ("chain", 0.7, 1.0), ("tree", 1.0, 1.0), ("tree", 
 
 
 @pytest.mark.parametrize("shape,temperature,top_p", CASES)
-def test_verifier_is_lossless_on_synthetic_tables(shape, temperature, top_p):
+def test_verifier_is_lossless_on_synthetic_tables(shape, temperature, top_p, single_thread):
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=L)
     g = torch.Generator().manual_seed(1234)
     samples = [_sample_once(params, shape, g, accept) for _ in range(N)]
     assert _pvalue(samples, _exact_joint(params)) > P_BOUND
 
 
-def test_statistical_test_rejects_a_broken_verifier():
+def test_statistical_test_rejects_a_broken_verifier(single_thread):
     params = SamplingParams(temperature=1.0, max_tokens=L)
     g = torch.Generator().manual_seed(99)
     samples = [_sample_once(params, "chain", g, _always_accept) for _ in range(N)]

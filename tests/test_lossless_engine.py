@@ -23,7 +23,7 @@ from verispec.models.kv_cache import KVCache
 from verispec.models.transformer import Transformer
 from verispec.sampling import SamplingParams, target_probs
 from verispec.tree import DraftTree
-from verispec.verify import accept
+from verispec.verify import accept, accept_from_probs
 
 P_BOUND = 1e-3
 
@@ -48,12 +48,17 @@ def _pvalue(counts: dict, exact: dict) -> float:
     return float(chisquare(obs, [e * scale for e in exp]).pvalue)
 
 
-def _tiny(seed: int, vocab: int = 8) -> Transformer:
+def _tiny(seed: int, vocab: int = 8, noise: float = 0.0) -> Transformer:
+    """A tiny random LM; ``noise`` > 0 perturbs the seed's weights (a draft close to the target)."""
     torch.manual_seed(seed)
     cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)
     m = Transformer(cfg).eval().requires_grad_(False)
     m.lm_head.weight.mul_(8.0)             # peakier distributions, like a real LM
+    if noise:
+        g = torch.Generator().manual_seed(seed + 1000)
+        for p in m.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=g))
     return m
 
 
@@ -76,20 +81,20 @@ def _exact_tiny(model, prompt, params, length=3) -> dict:
     (None, 1.0, 1.0),
     ([[0], [1], [0, 0], [1, 0], [0, 0, 0]], 0.7, 0.9),
 ])
-def test_engine_is_lossless_with_tiny_models(tree, temperature, top_p):
-    target, draft = _tiny(0), _tiny(1)
+def test_engine_is_lossless_with_tiny_models(tree, temperature, top_p, single_thread):
+    target, draft = _tiny(0), _tiny(0, noise=0.3)
     prompt = [1, 2, 3, 1, 2]
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=5, ignore_eos=True)
     n, batch = 3000, 500
     drafter = DraftModelDrafter(draft, max_batch=batch, max_len=16, num_speculative_tokens=2, tree=tree)
     engine = Engine(target, drafter, max_batch=batch, max_len=16 + drafter.max_tree_nodes + 2)
     seqs = [Sequence(prompt_ids=prompt, params=SamplingParams(**{**vars(params), "seed": i})) for i in range(n)]
     with torch.no_grad():
         engine.run(seqs)
-    assert engine.stats.num_accepted_tokens > 0
+    assert engine.stats.num_accepted_tokens > 0.2 * engine.stats.num_drafts
     counts: dict = {}
     for s in seqs:
-        counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
+        counts[tuple(s.output_ids[:3])] = counts.get(tuple(s.output_ids[:3]), 0) + 1
     assert _pvalue(counts, _exact_tiny(target, prompt, params)) > P_BOUND
 
 
@@ -105,13 +110,13 @@ def _accept_first_children(tree, logits, params, g):
     return AcceptResult(nodes, [int(tree.tokens[i]) for i in nodes] + [final], True)
 
 
-def test_engine_test_detects_a_biased_engine(monkeypatch):
+def test_engine_test_detects_a_biased_engine(monkeypatch, single_thread):
     """Power check: the same test rejects an engine with a broken verifier."""
     import verispec.engine as eng
     monkeypatch.setattr(eng, "accept", _accept_first_children)
-    target, draft = _tiny(0), _tiny(1)
+    target, draft = _tiny(0), _tiny(0, noise=0.3)
     prompt = [1, 2, 3, 1, 2]
-    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
     drafter = DraftModelDrafter(draft, max_batch=500, max_len=16, num_speculative_tokens=2)
     engine = Engine(target, drafter, max_batch=500, max_len=20)
     seqs = [Sequence(prompt_ids=prompt, params=SamplingParams(**{**vars(params), "seed": i})) for i in range(1500)]
@@ -119,7 +124,7 @@ def test_engine_test_detects_a_biased_engine(monkeypatch):
         engine.run(seqs)
     counts: dict = {}
     for s in seqs:
-        counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
+        counts[tuple(s.output_ids[:3])] = counts.get(tuple(s.output_ids[:3]), 0) + 1
     assert _pvalue(counts, _exact_tiny(target, prompt, params)) < 1e-6
 
 
@@ -178,11 +183,11 @@ def test_real_model_ngram_tree_is_lossless(target, real_context):
     tree = NgramDrafter(4, 1, 3, num_matches=2).propose(
         [type("R", (), {"context": real_context, "max_nodes": None})()])[0]
     assert len(tree) >= 2
-    logits = step.verify_logits(tree)
+    probs = target_probs(step.verify_logits(tree), params)
     g = torch.Generator().manual_seed(0)
     counts: dict = {}
-    for _ in range(20000):
-        key = step.complete(accept(tree, logits, params, g).tokens, g)
+    for _ in range(6000):
+        key = step.complete(accept_from_probs(tree, probs, g).tokens, g)
         counts[key] = counts.get(key, 0) + 1
     first = {k[0] for k in counts} | set(torch.nonzero(step.p_next(()) > 1e-4).flatten().tolist())
     assert _pvalue(counts, step.exact_joint(first)) > P_BOUND
@@ -196,14 +201,14 @@ def test_real_model_sampled_self_draft_is_lossless(target, real_context):
     with torch.no_grad():
         q = target_probs(draft(torch.tensor([real_context]), torch.arange(len(real_context))[None]).logits[0, -1], params)
     g = torch.Generator().manual_seed(1)
-    logits_by_x: dict[int, torch.Tensor] = {}
+    probs_by_x: dict[int, torch.Tensor] = {}
     counts: dict = {}
-    for _ in range(6000):
+    for _ in range(4000):
         x = int(torch.multinomial(q, 1, generator=g))
         tree = DraftTree.chain([x], q[None])
-        if x not in logits_by_x:
-            logits_by_x[x] = step.verify_logits(tree)
-        key = step.complete(accept(tree, logits_by_x[x], params, g).tokens, g)
+        if x not in probs_by_x:
+            probs_by_x[x] = target_probs(step.verify_logits(tree), params)
+        key = step.complete(accept_from_probs(tree, probs_by_x[x], g).tokens, g)
         counts[key] = counts.get(key, 0) + 1
     first = set(torch.nonzero(step.p_next(()) > 0).flatten().tolist())
     assert _pvalue(counts, step.exact_joint(first)) > P_BOUND

@@ -75,22 +75,59 @@ class Engine:
 
     def add(self, seq: Sequence) -> None:
         """Prefill ``seq`` into a free row and choose its first token."""
-        n = len(seq.prompt_ids)
-        if n == 0:
-            raise ValueError("prompt is empty")
-        if n >= self.max_context:
-            raise ValueError(f"prompt has {n} tokens; the context holds {self.max_context}")
-        if not self.free_rows:
-            raise RuntimeError("no free batch row; check can_admit() first")
-        seq.row = self.free_rows.pop()
-        seq.generator = seq.generator or make_generator(seq.params.seed)
-        self.cache.reset(seq.row)
-        logits, feats = self._prefill(seq.row, seq.prompt_ids)
-        seq.root = self._sample(logits, seq)
-        self.running.append(seq)
-        if self.drafter is not None:
-            self.drafter.start(seq.row, list(seq.prompt_ids), feats)
-        self._emit(seq, [seq.root])
+        self.add_many([seq])
+
+    def add_many(self, seqs: list[Sequence]) -> None:
+        """Prefill several sequences (one right-padded forward when their prompts are short)."""
+        for seq in seqs:
+            n = len(seq.prompt_ids)
+            if n == 0:
+                raise ValueError("prompt is empty")
+            if n >= self.max_context:
+                raise ValueError(f"prompt has {n} tokens; the context holds {self.max_context}")
+        if len(seqs) > len(self.free_rows):
+            raise RuntimeError("not enough free batch rows; check can_admit() first")
+        for seq in seqs:
+            seq.row = self.free_rows.pop()
+            seq.generator = seq.generator or make_generator(seq.params.seed)
+            self.cache.reset(seq.row)
+        try:
+            if len(seqs) > 1 and max(len(s.prompt_ids) for s in seqs) <= PREFILL_CHUNK:
+                results = self._prefill_batch(seqs)
+            else:
+                results = [self._prefill(s.row, s.prompt_ids) for s in seqs]
+        except BaseException:
+            for seq in seqs:                       # give the rows back; nothing was admitted
+                self.cache.reset(seq.row)
+                self.free_rows.append(seq.row)
+                seq.row = -1
+            raise
+        for seq, (logits, feats) in zip(seqs, results):
+            seq.root = self._sample(logits, seq)
+            self.running.append(seq)
+            if self.drafter is not None:
+                self.drafter.start(seq.row, list(seq.prompt_ids), feats)
+            self._emit(seq, [seq.root])
+
+    def _prefill_batch(self, seqs: list[Sequence]) -> list[tuple[torch.Tensor, TargetFeatures | None]]:
+        lens = [len(s.prompt_ids) for s in seqs]
+        tokens = torch.zeros(len(seqs), max(lens), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, :lens[i]] = torch.tensor(s.prompt_ids)
+        rows = torch.tensor([s.row for s in seqs])
+        layers, want_last = self._feature_request()
+        positions = torch.arange(max(lens))[None].repeat(len(seqs), 1)
+        out = self.model(tokens, positions, self.cache, rows=rows, hidden_layers=layers,
+                         logits_index=torch.tensor(lens)[:, None] - 1)
+        results = []
+        for i, s in enumerate(seqs):
+            self.cache.advance(rows[i:i + 1], lens[i])
+            feats = None
+            if layers or want_last:
+                feats = TargetFeatures({k: out.hidden[k][i, :lens[i]] for k in layers},
+                                       out.last_hidden[i, :lens[i]] if want_last else None)
+            results.append((out.logits[i, 0], feats))
+        return results
 
     def _prefill(self, row: int, ids: list[int]) -> tuple[torch.Tensor, TargetFeatures | None]:
         rows = torch.tensor([row])
@@ -257,7 +294,8 @@ class Engine:
         """Decode ``seqs`` to completion, admitting them as rows free up."""
         waiting = list(seqs)
         while waiting or self.running:
-            while waiting and self.can_admit():
-                self.add(waiting.pop(0))
+            if waiting and self.free_rows:
+                batch, waiting = waiting[:len(self.free_rows)], waiting[len(self.free_rows):]
+                self.add_many(batch)
             self.step()
         return seqs

@@ -57,7 +57,12 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
 def accept_sampled(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
                    generator: torch.Generator | None) -> AcceptResult:
     """Lossless recursive rejection sampling over the tree (see module docstring)."""
-    probs = target_probs(logits, params)                 # [N+1, V], one batched pass
+    return accept_from_probs(tree, target_probs(logits, params), generator)
+
+
+def accept_from_probs(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> AcceptResult:
+    """Recursive rejection sampling given target distributions ``probs [N+1, V]`` of
+    (root, nodes...) already processed by temperature / top-k / top-p."""
     kids = tree.children()
     toks = tree.tokens.tolist()
     cur, nodes = -1, []

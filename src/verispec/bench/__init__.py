@@ -4,8 +4,9 @@
                     (methods interleaved per prompt,                       (results.json, report.md,
                      peers from ``peers``)                                  PNG plots; atomic writes)
 
-This module holds the shared vocabulary (typed records), so that ``runner``, ``peers`` and
-``report`` agree on one shape:
+Entry points: ``run_benchmark(BenchConfig(...))`` and ``write_report(out_dir, results)``. This
+module holds the shared vocabulary (typed records), so that ``runner``, ``peers`` and ``report``
+agree on one shape:
 
 * ``MethodSpec``: what to run under a name (vanilla, a verispec speculative config, or a Hugging
   Face peer) and, if it cannot run here, why.
@@ -140,5 +141,9 @@ def stats_dict(stats: SpecStats) -> dict:
     return dict(stats.as_dict(), num_emitted_tokens=stats.num_emitted_tokens)
 
 
-__all__ = ["BenchError", "BenchResult", "FidelityRecord", "GenResult", "KINDS", "MethodSpec",
-           "PEER_KINDS", "RunRecord", "stats_dict"]
+# the entry points, imported last: they import the types above
+from .runner import BenchConfig, run_benchmark  # noqa: E402
+from .report import summarize, write_report  # noqa: E402
+
+__all__ = ["BenchConfig", "BenchError", "BenchResult", "FidelityRecord", "GenResult", "KINDS", "MethodSpec",
+           "PEER_KINDS", "RunRecord", "run_benchmark", "stats_dict", "summarize", "write_report"]

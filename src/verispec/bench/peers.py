@@ -87,21 +87,24 @@ def hf_config(cfg: ModelConfig):
 
 
 def hf_from_loaded(loaded: LoadedModel):
-    """An HF ``*ForCausalLM`` whose parameters are the tensors of ``loaded.model`` (shared)."""
+    """An HF ``*ForCausalLM`` whose parameters are the tensors of ``loaded.model`` (shared).
+    Every HF parameter must be covered; our extra tensors (e.g. fused q/k/v views) are ignored."""
     from transformers import AutoModelForCausalLM
     cfg = hf_config(loaded.config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
+    wanted = set(model.state_dict())
+    if loaded.config.tie_word_embeddings:
+        wanted.discard("lm_head.weight")
     state = {}
     for name, tensor in loaded.model.state_dict().items():
-        if name == "lm_head.weight" and loaded.config.tie_word_embeddings:
-            continue
-        state[hf_param_name(name)] = tensor
-    result = model.load_state_dict(state, strict=False, assign=True)
-    allowed = {"lm_head.weight"} if loaded.config.tie_word_embeddings else set()
-    if set(result.missing_keys) - allowed or result.unexpected_keys:
-        raise RuntimeError(f"HF weight mapping failed: missing {result.missing_keys[:4]}, "
-                           f"unexpected {result.unexpected_keys[:4]}")
+        hf_name = hf_param_name(name)
+        if hf_name in wanted:
+            state[hf_name] = tensor
+    missing = sorted(wanted - set(state))
+    if missing:
+        raise RuntimeError(f"HF weight mapping failed: no tensor for {missing[:4]}")
+    model.load_state_dict(state, strict=False, assign=True)
     if loaded.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
@@ -206,12 +209,9 @@ class HFRunner:
     model: Any
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
+    tracker: ForwardTracker          # attached to ``model`` (one tracker per model, shared)
     options: dict = field(default_factory=dict)
     assistant: Any = None
-    tracker: ForwardTracker = field(default_factory=ForwardTracker)
-
-    def __post_init__(self) -> None:
-        self.tracker.attach(self.model)
 
     @property
     def max_batch(self) -> int:
@@ -249,8 +249,9 @@ class HFRunner:
         token_ids = [self._cut(row) for row in new]
         if len(prompts) == 1:
             stats = stats_from_forwards(self.tracker.events, len(prompts[0]), len(new[0]))
-        else:
-            stats = SpecStats(num_steps=max(0, len(self.tracker.events) - 1))
+        else:   # plain batched generate: every token after a row's first is one 1-token step
+            emitted = sum(max(0, min(len(t) + 1, len(row)) - 1) for t, row in zip(token_ids, new))
+            stats = SpecStats(num_steps=emitted, num_emitted_tokens=emitted)
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in token_ids]
         return GenResult(token_ids=token_ids, texts=texts, wall_s=wall, stats=stats)
 
@@ -268,6 +269,7 @@ class PeerFactory:
         self.loaded = loaded
         self.weights = weights
         self._model = None
+        self.tracker = ForwardTracker()
         self.load_s = 0.0
 
     @property
@@ -275,6 +277,7 @@ class PeerFactory:
         if self._model is None:
             t0 = time.perf_counter()
             self._model = load_hf_model(self.loaded, self.weights)
+            self.tracker.attach(self._model)
             self.load_s += time.perf_counter() - t0
         return self._model
 
@@ -284,7 +287,7 @@ class PeerFactory:
         assistant = self._assistant(options) if kind == "hf-assisted" else None
         if kind == "hf-pld" and "prompt_lookup_num_tokens" not in options:
             raise BenchError("hf-pld needs 'prompt_lookup_num_tokens'")
-        return HFRunner(kind, self.model, self.loaded.tokenizer, eos, options, assistant)
+        return HFRunner(kind, self.model, self.loaded.tokenizer, eos, self.tracker, options, assistant)
 
     def _assistant(self, options: dict):
         name = options.get("assistant_model")

@@ -217,17 +217,22 @@ def _settings(result: BenchResult) -> list[str]:
     c = result.config
     qids = list(dict.fromkeys(q for r in result.records if r.method == "vanilla" for q in r.question_ids))
     cats = _categories(result)
-    lines = [f"- Model `{c['model']}`, dtype {result.machine['dtype']}, {result.machine['threads']} threads; "
+    lines = [f"- Model `{c['model']}`, dtype {result.machine['dtype']}, threads {result.machine['threads']}; "
              f"dataset `{Path(c['dataset']).name}`",
              f"- {len(qids)} questions ({c['per_category'] or 'all'} per category) in {len(cats)} categories: "
              f"{', '.join(cats)}; question ids {qids}",
              f"- max {c['max_tokens']} new tokens per turn, temperature {c['temperature']}, "
              f"{c['repeats']} repeat(s), batch sizes {list(c['batch_sizes'])}, warm-up "
              f"{c['warmup_tokens']} tokens per method, HF weights: {c['hf_weights']}",
-             f"- Timed wall time {result.wall_s:.0f} s (model loading {result.load_s:.0f} s, untimed)"]
+             f"- Timed wall time {result.wall_s:.0f} s (model loading {result.load_s:.0f} s, untimed); "
+             f"1-minute load average of the machine at start → end: {_load(result.machine)}"]
     if c.get("notes"):
         lines.append(f"- Note: {c['notes']}")
     return lines
+
+
+def _load(machine: dict) -> str:
+    return " → ".join(_f(x[0]) if x else "–" for x in (machine.get("loadavg_start"), machine.get("loadavg_end")))
 
 
 def _methods_table(result: BenchResult) -> list[str]:
@@ -266,13 +271,11 @@ def suite_markdown(result: BenchResult, summaries: list[Summary]) -> list[str]:
 
 
 def _machine_lines(machine: dict) -> list[str]:
-    load = machine.get("loadavg_start"), machine.get("loadavg_end")
-    loads = " → ".join(_f(x[0]) if x else "–" for x in load)
     return _table(["CPU", "cores (usable)", "memory", "torch", "transformers", "dtype", "threads",
-                   "1-min load avg start → end"],
+                   "OMP_WAIT_POLICY"],
                   [[machine["cpu_model"], f"{machine['logical_cores']} ({machine['usable_cores']})",
                     f"{machine['memory_gib']} GiB", machine["torch"], machine["transformers"], machine["dtype"],
-                    str(machine["threads"]), loads]])
+                    str(machine["threads"]), machine.get("omp_wait_policy") or "unset"]])
 
 
 DEFINITIONS = """## Definitions
@@ -295,11 +298,29 @@ DEFINITIONS = """## Definitions
 """
 
 
+def _summary_lines(results: list[BenchResult], summaries: list[list[Summary]]) -> list[str]:
+    """The headline: overall speedup and τ per method at each suite's smallest batch size."""
+    out = ["## Summary", ""]
+    for res, summ in zip(results, summaries):
+        b = min(res.config["batch_sizes"])
+        idx = _index(summ)
+        cells = [f"{m.name} {_x(idx[(m.name, OVERALL, b)].speedup_vs_vanilla)} (τ "
+                 f"{idx[(m.name, OVERALL, b)].mean_acceptance_length:.2f})"
+                 for m in res.available() if m.name != "vanilla" and (m.name, OVERALL, b) in idx]
+        out.append(f"- `{res.name}`, batch {b}, overall speedup over vanilla: " + ", ".join(cells))
+        if len(res.config["batch_sizes"]) > 1:
+            out += [f"- `{res.name}`: **{m}** {text}" for m, text in stops_paying(res, summ).items()]
+        off = [m.name for m in res.methods if m.unavailable]
+        if off:
+            out.append(f"- `{res.name}`: not run (see Methods): {', '.join(off)}")
+    return out + [""]
+
+
 def render_markdown(results: list[BenchResult], summaries: list[list[Summary]]) -> str:
     machine = results[0].machine
     title = f"# Spec-Bench-style benchmark: `{results[0].config['model']}`"
-    out = [title, "", f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
-           "## Machine", ""] + _machine_lines(machine) + [""]
+    out = [title, "", f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
+    out += _summary_lines(results, summaries) + ["## Machine", ""] + _machine_lines(machine) + [""]
     for res, summ in zip(results, summaries):
         out += suite_markdown(res, summ)
     out += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in PLOTS] + [""]
@@ -337,7 +358,9 @@ def plot_speedup_per_category(result: BenchResult, summaries: list[Summary]) -> 
     width = 0.8 / max(1, len(methods))
     for i, m in enumerate(methods):
         ys = [getattr(idx.get((m, c, b)), "speedup_vs_vanilla", None) or 0.0 for c in cats]
-        ax.bar([j + (i - (len(methods) - 1) / 2) * width for j in range(len(cats))], ys, width, label=m)
+        bars = ax.bar([j + (i - (len(methods) - 1) / 2) * width for j in range(len(cats))], ys, width, label=m)
+        if len(methods) * len(cats) <= 80:
+            ax.bar_label(bars, fmt="%.2f", fontsize=6, rotation=90, padding=2)
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("speedup (x)")
@@ -419,6 +442,20 @@ def results_json(results: list[BenchResult], summaries: list[list[Summary]]) -> 
                            stops_paying=stops_paying(r, ss))
                       for r, ss in zip(results, summaries)]}
     return json.dumps(_clean(doc), indent=1, allow_nan=False).encode()
+
+
+def load_results(path: str | Path) -> list[BenchResult]:
+    """The suites of a ``results.json`` as ``BenchResult`` objects (to re-render a report)."""
+    from . import FidelityRecord, MethodSpec
+    doc = json.loads(Path(path).read_text())
+    out = []
+    for s in doc["suites"]:
+        config = dict(s["config"], batch_sizes=tuple(s["config"]["batch_sizes"]))
+        out.append(BenchResult(s["name"], config, s["machine"], [MethodSpec(**m) for m in s["methods"]],
+                               [RunRecord(**r) for r in s["records"]],
+                               [FidelityRecord(**f) for f in s["fidelity"]],
+                               list(s["skipped"]), s["wall_s"], s["load_s"]))
+    return out
 
 
 def atomic_write(path: Path, data: bytes) -> None:

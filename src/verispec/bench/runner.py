@@ -39,7 +39,7 @@ from ..metrics import SpecStats
 from ..models.loading import LoadedModel, load_model, parse_dtype
 from ..models.sources import ModelSourceError
 from ..sampling import SamplingParams
-from ..spec_config import SpecConfigError, SpeculativeConfig
+from ..spec_config import SpecConfigError
 from . import PEER_KINDS, BenchError, BenchResult, FidelityRecord, GenResult, MethodSpec, RunRecord, stats_dict
 
 METHOD_NAMES = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa", "hf", "hf-pld", "hf-assisted")
@@ -218,32 +218,35 @@ def resolve_methods(config: BenchConfig, model_name: str, num_layers: int) -> li
     """The ``MethodSpec`` of every requested method (vanilla first, preset methods appended)."""
     names = list(dict.fromkeys(("vanilla",) + tuple(config.methods)))
     overrides = dict(config.method_configs)
+    if "vanilla" in overrides:
+        raise BenchError("vanilla is the baseline and takes no config")
+    unavailable: dict[str, str] = {}
     if config.preset == "eagle2-ablation":
         base, reason = default_method_config("eagle3", model_name, num_layers, overrides)
         base = overrides.get("eagle3", base)
         for name, keys in EAGLE2_ABLATION.items():
             names.append(name)
-            if name not in overrides:
-                overrides[name] = dict(base, **keys) if base else {"unavailable": reason}
-    specs = []
-    for name in names:
-        cfg = overrides.get(name)
-        reason = None
-        if cfg is None:
-            cfg, reason = default_method_config(name, model_name, num_layers, overrides)
-        cfg = dict(cfg) if cfg is not None else None
-        if cfg is not None and "unavailable" in cfg:
-            specs.append(MethodSpec(name, "engine", None, cfg["unavailable"]))
-            continue
-        kind = "vanilla" if name == "vanilla" else name if name in PEER_KINDS else "engine"
-        if cfg is not None and "peer" in cfg:
-            kind = cfg.pop("peer")
-            if kind not in PEER_KINDS:
-                raise BenchError(f"method {name!r}: 'peer' must be one of {PEER_KINDS}")
-        if kind == "engine" and cfg is None and reason is None:
-            raise BenchError(f"method {name!r} needs a speculative config")
-        specs.append(MethodSpec(name, kind, cfg, reason))
-    return specs
+            if name in overrides:
+                continue
+            if base is None:
+                unavailable[name] = reason or "eagle3 is not available"
+            else:
+                overrides[name] = dict(base, **keys)
+    return [MethodSpec(name, "engine", None, unavailable[name]) if name in unavailable
+            else _method_spec(name, overrides, model_name, num_layers) for name in dict.fromkeys(names)]
+
+
+def _method_spec(name: str, overrides: dict, model_name: str, num_layers: int) -> MethodSpec:
+    cfg, reason = overrides.get(name), None
+    if cfg is None:
+        cfg, reason = default_method_config(name, model_name, num_layers, overrides)
+    cfg = dict(cfg) if cfg is not None else None
+    kind = "vanilla" if name == "vanilla" else name if name in PEER_KINDS else "engine"
+    if cfg is not None and "peer" in cfg:
+        kind = cfg.pop("peer")
+        if kind not in PEER_KINDS:
+            raise BenchError(f"method {name!r}: 'peer' must be one of {PEER_KINDS}")
+    return MethodSpec(name, kind, cfg, reason)
 
 
 class MethodRunner(Protocol):
@@ -287,9 +290,7 @@ def build_runners(specs: list[MethodSpec], loaded: LoadedModel, config: BenchCon
             try:
                 if spec.kind in PEER_KINDS:
                     runners[spec.name] = peers.build(spec.kind, spec.config)
-                else:
-                    if spec.config is not None:
-                        SpeculativeConfig.from_dict(spec.config)
+                else:   # LLM validates the config and builds the drafter (SpecConfigError)
                     runners[spec.name] = EngineRunner(loaded, spec.config, max(config.batch_sizes))
             except SETUP_ERRORS as e:
                 spec = MethodSpec(spec.name, spec.kind, spec.config, f"{type(e).__name__}: {e}")
@@ -369,6 +370,7 @@ def machine_info(dtype: torch.dtype, meter: RssMeter) -> dict:
             "transformers": transformers.__version__, "verispec": verispec_version,
             "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(), "memory_source": meter.source,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 

@@ -110,6 +110,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         spec, policy_value = split_spec_config(args.speculative_config, args.num_speculative_tokens_per_batch_size)
         SpeculativeConfig.from_dict(spec)
         policy = parse_policy(policy_value) if spec is not None else None
+        if spec is None and policy_value is not None:
+            print("verispec serve: --num-speculative-tokens-per-batch-size ignored without "
+                  "--speculative-config", file=sys.stderr)
     except (ValueError, SpecConfigError) as e:
         print(f"verispec serve: bad speculation settings: {e}", file=sys.stderr)
         return 2

@@ -54,7 +54,7 @@ class DraftModelDrafter:
             return []
         logits = self._catch_up(requests)              # [B, V]: next-token logits after each root
         if self.choices is not None:
-            trees = [self._tree(r, lg) for r, lg in zip(requests, logits)]
+            trees = self._trees(requests, logits)
         else:
             trees = self._chains(requests, logits)
         return [_truncate(t, r.max_nodes) for t, r in zip(trees, requests)]
@@ -92,13 +92,16 @@ class DraftModelDrafter:
         rows = torch.tensor([r.row for r in requests])
         toks: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
-        for step in range(self.k):
+        budget = max((self.k if r.max_nodes is None else min(self.k, r.max_nodes)) for r in requests)
+        if budget == 0:
+            return [DraftTree.empty() for _ in requests]
+        for step in range(budget):
             for i, r in enumerate(requests):
                 x, q = self._pick(logits[i], r)
                 toks[i].append(x)
                 if q is not None:
                     qs[i].append(q)
-            if step == self.k - 1:
+            if step == budget - 1:
                 break
             feed = torch.tensor([[t[-1]] for t in toks])
             pos = self.cache.lengths[rows][:, None].clone()
@@ -108,34 +111,42 @@ class DraftModelDrafter:
                 self.cached[r.row].append(toks[i][-1])
         return [DraftTree.chain(t, torch.stack(q) if q else None) for t, q in zip(toks, qs)]
 
-    def _tree(self, r: DraftRequest, root_logits: torch.Tensor) -> DraftTree:
-        """Static tree, one forward per level over the whole partial tree (never committed)."""
-        index: dict[tuple, int] = {(): -1}
-        toks, pars, qs = [], [], []
-        dist: dict[tuple, tuple] = {(): self._ranked(root_logits, r)}
-        row = torch.tensor([r.row])
-        base = int(self.cache.lengths[r.row])
+    def _trees(self, requests: list[DraftRequest], root_logits: torch.Tensor) -> list[DraftTree]:
+        """Static trees for all rows, one batched forward per level over each partial tree.
+
+        Scratch K/V of the partial trees is written after each row's committed prefix and never
+        committed. Rows whose candidates run out (sampling without replacement over a small
+        support) simply get fewer nodes; padded nodes attend only to themselves."""
+        rows = torch.tensor([r.row for r in requests])
+        base = self.cache.lengths[rows].clone()
+        states = [_TreeState({(): self._ranked(lg, r)}) for r, lg in zip(requests, root_logits)]
         for depth in range(1, max(len(c) for c in self.choices) + 1):
-            for c in (c for c in self.choices if len(c) == depth):
-                if c[:-1] not in dist or c[-1] >= len(dist[c[:-1]][0]):
-                    continue
-                tok, q = dist[c[:-1]][0][c[-1]], dist[c[:-1]][1][c[-1]]
-                index[c] = len(toks)
-                toks.append(tok)
-                pars.append(index[c[:-1]])
-                qs.append(q)
-            parents_next = [c for c in index if len(c) == depth and any(
-                len(d) == depth + 1 and d[:-1] == c for d in self.choices)]
-            if not parents_next:
+            level = [c for c in self.choices if len(c) == depth]
+            for st in states:
+                st.add_level(level)
+            expand = [c for c in level if any(len(d) == depth + 1 and d[:-1] == c for d in self.choices)]
+            if not expand:
                 break
-            partial = DraftTree(torch.tensor(toks), torch.tensor(pars))
-            mask = partial.ancestor_mask()[1:, 1:][None]
-            pos = (base + partial.depth - 1)[None]
-            out = self.model(torch.tensor([toks]), pos, self.cache, attn_mask=mask, rows=row)
-            for c in parents_next:
-                dist[c] = self._ranked(out.logits[0, index[c]], r)
-        q = None if r.params.greedy else torch.stack(qs)
-        return DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long), q)
+            logits = self._level_forward(states, rows, base)
+            for b, (st, r) in enumerate(zip(states, requests)):
+                for c in expand:
+                    if c in st.index:
+                        st.dist[c] = self._ranked(logits[b, st.index[c]], r)
+        return [st.tree(r.params.greedy) for st, r in zip(states, requests)]
+
+    def _level_forward(self, states: list["_TreeState"], rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        t = max(1, max(len(st.toks) for st in states))
+        tokens = torch.zeros(len(states), t, dtype=torch.long)
+        positions = base[:, None].repeat(1, t)
+        mask = torch.eye(t, dtype=torch.bool).repeat(len(states), 1, 1)
+        for b, st in enumerate(states):
+            n = len(st.toks)
+            if n:
+                partial = DraftTree(torch.tensor(st.toks), torch.tensor(st.pars))
+                tokens[b, :n] = partial.tokens
+                positions[b, :n] = base[b] + partial.depth - 1
+                mask[b, :n, :n] = partial.ancestor_mask()[1:, 1:]
+        return self.model(tokens, positions, self.cache, attn_mask=mask, rows=rows).logits
 
     def _ranked(self, logits: torch.Tensor, r: DraftRequest) -> tuple[list[int], list]:
         """Candidates by rank: top-k (greedy) or draws without replacement with their q."""
@@ -154,6 +165,31 @@ class DraftModelDrafter:
             q = q.clone()
             q[x] = 0.0
         return toks, qs
+
+
+class _TreeState:
+    """One row's static tree under construction: choices path -> node index, ranked candidates."""
+
+    def __init__(self, dist: dict):
+        self.dist = dist                    # path -> (tokens by rank, q by rank)
+        self.index: dict[tuple, int] = {(): -1}
+        self.toks: list[int] = []
+        self.pars: list[int] = []
+        self.qs: list = []
+
+    def add_level(self, level: list[tuple]) -> None:
+        for c in level:
+            cands = self.dist.get(c[:-1])
+            if cands is None or c[-1] >= len(cands[0]):
+                continue
+            self.index[c] = len(self.toks)
+            self.toks.append(cands[0][c[-1]])
+            self.pars.append(self.index[c[:-1]])
+            self.qs.append(cands[1][c[-1]])
+
+    def tree(self, greedy: bool) -> DraftTree:
+        q = None if greedy or not self.qs else torch.stack(self.qs)
+        return DraftTree(torch.tensor(self.toks, dtype=torch.long), torch.tensor(self.pars, dtype=torch.long), q)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

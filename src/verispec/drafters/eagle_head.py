@@ -8,7 +8,8 @@ parent pair (no target feature exists yet). This is the shift EAGLE, SpecForge a
 and serve with (``input_ids[1:]`` against ``hidden_states[:-1]``).
 
 Heads share one interface, used by ``eagle.EagleDrafter``:
-- ``hidden_layers`` / ``needs_last_hidden``: the target features the head reads;
+- ``hidden_layers`` / ``needs_last_hidden``: the target features the head reads (distinct layers;
+  EAGLE-3's ``aux_layers`` give the fc input order and may repeat a layer on shallow targets);
 - ``fuse(features) -> [T, h]``: turn target features at T positions into the head's input state
   (EAGLE-3: per-layer RMSNorm when ``fc_norm``, concatenation, ``fc``; EAGLE-1: the last hidden);
 - ``forward(tokens, positions, hidden, cache, ...) -> HeadOutput``: ``hidden`` [B,T,h] is the
@@ -83,8 +84,8 @@ class EagleHeadConfig:
                              f"{self.hidden_size} must equal the target's {self.target_hidden_size}")
 
     @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        """Our 0-based decoder-layer outputs (``ModelOutput.hidden`` keys) for the aux ids."""
+    def aux_layers(self) -> tuple[int, ...]:
+        """Our 0-based decoder-layer outputs (``ModelOutput.hidden`` keys), one per aux id."""
         return tuple(k - 1 for k in self.aux_layer_ids)
 
     def layer_config(self) -> ModelConfig:
@@ -112,11 +113,7 @@ class WideAttention(Attention):
     """Llama attention whose q/k/v read ``in_dim`` features (EAGLE-3: 2h) and write back h."""
 
     def __init__(self, cfg: ModelConfig, in_dim: int):
-        nn.Module.__init__(self)
-        self.layer, self.h, self.kvh, self.d = 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(in_dim, self.h * self.d, bias=cfg.attention_bias)
-        self.wk = nn.Linear(in_dim, self.kvh * self.d, bias=cfg.attention_bias)
-        self.wv = nn.Linear(in_dim, self.kvh * self.d, bias=cfg.attention_bias)
+        super().__init__(cfg.replace(hidden_size=in_dim), 0)
         self.wo = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
 
 
@@ -184,7 +181,8 @@ class Eagle3Head(_HeadBase):
         super().__init__(cfg, target_embed)
         lc = cfg.layer_config()
         h, n_aux = cfg.hidden_size, len(cfg.aux_layer_ids)
-        self.hidden_layers = cfg.hidden_layers
+        self.aux_layers = cfg.aux_layers                            # fc input order (may repeat)
+        self.hidden_layers = tuple(dict.fromkeys(self.aux_layers))   # what the engine captures
         self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(n_aux)) \
             if cfg.fc_norm else None
         self.fc = nn.Linear(n_aux * cfg.target_hidden_size, h, bias=False)
@@ -201,7 +199,7 @@ class Eagle3Head(_HeadBase):
 
     def fuse(self, features: TargetFeatures) -> torch.Tensor:
         """[T, h] from the aux target features at T positions."""
-        parts = [features.hidden[i] for i in self.hidden_layers]
+        parts = [features.hidden[i] for i in self.aux_layers]
         if self.fc_norm is not None:
             parts = [norm(p) for norm, p in zip(self.fc_norm, parts)]
         return self.fc(torch.cat(parts, dim=-1).to(self.fc.weight.dtype))

@@ -56,7 +56,7 @@ def build_transformer(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: t
     model.load_state_dict(state, strict=False)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-    return model.to(dtype).eval().requires_grad_(False)
+    return model.to(dtype).eval().requires_grad_(False).fuse_()
 
 
 def _inv_freq(cfg: ModelConfig) -> torch.Tensor:

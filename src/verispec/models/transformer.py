@@ -83,11 +83,27 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=cfg.attention_bias)
         self.wo = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
 
+        self.fused: nn.Linear | None = None
+
+    def fuse_(self) -> None:
+        """Serve q, k, v from one matmul (same numbers, fewer kernel calls). Weights stay shared."""
+        w = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
+        bias = torch.cat([self.wq.bias, self.wk.bias, self.wv.bias]) if self.wq.bias is not None else None
+        self.fused = _fused_linear(w, bias)
+        sizes = [self.h * self.d, self.kvh * self.d, self.kvh * self.d]
+        _share(self.fused.weight, [self.wq, self.wk, self.wv], sizes, "weight")
+        if bias is not None:
+            _share(self.fused.bias, [self.wq, self.wk, self.wv], sizes, "bias")
+
     def forward(self, x, cos, sin, mask, cache: KVCache | None, rows, slots, used):
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.h, self.d).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.kvh, self.d).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.kvh, self.d).transpose(1, 2)
+        if self.fused is not None:
+            q, k, v = self.fused(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.reshape(b, t, self.h, self.d).transpose(1, 2)
+        k = k.reshape(b, t, self.kvh, self.d).transpose(1, 2)
+        v = v.reshape(b, t, self.kvh, self.d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(self.layer, rows, slots, k, v)
@@ -96,14 +112,38 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, t, self.h * self.d))
 
 
+def _fused_linear(w: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(w.detach(), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return lin
+
+
+def _share(fused: torch.Tensor, parts: list[nn.Linear], sizes: list[int], attr: str) -> None:
+    """Point each part's parameter at its slice of the fused tensor (no second copy in memory)."""
+    for lin, piece in zip(parts, fused.split(sizes, dim=0)):
+        setattr(lin, attr, nn.Parameter(piece, requires_grad=False))
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w_gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.w_up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused: nn.Linear | None = None
+
+    def fuse_(self) -> None:
+        """Gate and up projections from one matmul."""
+        self.fused = _fused_linear(torch.cat([self.w_gate.weight, self.w_up.weight]), None)
+        n = self.w_gate.weight.shape[0]
+        _share(self.fused.weight, [self.w_gate, self.w_up], [n, n], "weight")
 
     def forward(self, x):
+        if self.fused is not None:
+            gate, up = self.fused(x).chunk(2, dim=-1)
+            return self.w_down(F.silu(gate) * up)
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
@@ -182,3 +222,10 @@ class Transformer(nn.Module):
                 x, 1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
             logits = self.lm_head(sel)
         return ModelOutput(logits=logits, last_hidden=x, hidden=hidden)
+
+    def fuse_(self) -> "Transformer":
+        """Fuse q/k/v and gate/up projections for inference (fewer, larger matmuls)."""
+        for layer in self.layers:
+            layer.attn.fuse_()
+            layer.mlp.fuse_()
+        return self

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -199,13 +198,12 @@ class TextStream:
         if finished:
             self.text = cut_at_stop(text, self.stop)
             safe = len(self.text)
-        else:
+        else:                  # hold back a partial character and a possible start of a stop string
             safe = len(text.rstrip("\ufffd"))
+            head, hold = text[:safe], 0
             for s in self.stop:
-                for n in range(min(len(s) - 1, safe), 0, -1):
-                    if text[:safe].endswith(s[:n]):
-                        safe -= n
-                        break
+                hold = next((n for n in range(min(len(s) - 1, safe), hold, -1) if head.endswith(s[:n])), hold)
+            safe -= hold
             self.text = text
         if safe <= self.sent:
             return ""
@@ -230,10 +228,7 @@ class _Server:
         self.scheduler = Scheduler(self.llm, max_num_seqs=self.cfg.max_num_seqs,
                                    max_model_len=self.cfg.max_model_len, metrics=self.metrics,
                                    max_queue=self.cfg.max_queue, request_timeout=self.cfg.request_timeout,
-                                   policy=self.cfg.policy)
-        engine_decode = self.scheduler.engine.decode
-        if engine_decode is not None:           # one tokenizer, used from two threads
-            self.scheduler.engine.decode = lambda ids: self.decode(ids)
+                                   policy=self.cfg.policy, decode=self.decode)
         self.scheduler.start()
 
     def decode(self, ids: list[int]) -> str:
@@ -257,8 +252,6 @@ class _Server:
                                     f"{len(prompt)}", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            if len(prompt) > self.cfg.max_body_bytes:
-                raise APIError(400, "the prompt is too long", param="prompt")
             ids = await asyncio.to_thread(self.encode, prompt)   # as LLM.encode_prompt does
         else:
             ids = list(prompt)
@@ -365,15 +358,13 @@ async def _replay(hit: tuple[list[int], str]) -> AsyncIterator[TokenEvent]:
     yield TokenEvent(list(hit[0]), True, hit[1])
 
 
-async def _until_disconnected(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
-
-
 async def race_disconnect(request: Request, coro) -> Any:
     """Await ``coro``; if the client disconnects first, cancel it and raise ``ClientGone``."""
+    async def until_disconnected() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.5)
     task = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(_until_disconnected(request))
+    watch = asyncio.ensure_future(until_disconnected())
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -446,15 +437,17 @@ async def respond(srv: _Server, request: Request, req: _Common, ids: list[int],
     events = srv.submit(ids, params)
     stream = TextStream(srv.decode, params.stop)
     if not req.stream:
-        async def collect() -> tuple[int, str | None]:
+        async def collect() -> str | None:
+            out: list[int] = []
             async with contextlib.aclosing(events):
                 async for ev in events:
-                    stream.push(ev.token_ids, ev.finished)
+                    out.extend(ev.token_ids)
                     if ev.finished:
-                        return len(stream.ids), ev.finish_reason
-            return len(stream.ids), "abort"
-        n_out, reason = await race_disconnect(request, collect())
-        return JSONResponse(shape.full(stream.text, reason or "stop", _usage(len(ids), n_out)))
+                        stream.push(out, True)          # decode once, at the end
+                        return ev.finish_reason
+            raise RuntimeError("the event stream ended without a finished event")
+        reason = await race_disconnect(request, collect())
+        return JSONResponse(shape.full(stream.text, reason or "stop", _usage(len(ids), len(stream.ids))))
     first = await race_disconnect(request, events.__anext__())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     body = _sse_body(events, first, stream, shape, len(ids), include_usage)
@@ -572,7 +565,9 @@ def validation_error(errors: list[dict]) -> APIError:
 
 
 def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
-    """The FastAPI app; its lifespan starts the scheduler thread and stops it gracefully."""
+    """The FastAPI app; its lifespan starts the scheduler thread and stops it gracefully.
+    ``cfg.max_model_len`` is capped at ``llm.max_model_len``."""
+    cfg.max_model_len = min(cfg.max_model_len, llm.max_model_len)
     srv = _Server(llm, cfg)
 
     @asynccontextmanager
@@ -630,18 +625,12 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
 
 
 def _install_error_handlers(app: FastAPI, count_error: Callable[[int], None]) -> None:
-    """Every error leaves in OpenAI's shape; validation errors are 400 as OpenAI sends them."""
+    """Every error leaves in OpenAI's shape."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
         count_error(exc.status)
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> Response:
-        count_error(400)
-        err = validation_error(list(exc.errors()))
-        return error_response(err.status, err.message, err.type, err.param, err.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -12,7 +12,7 @@ of a step to a draft *budget* (tree nodes per sequence, 0 = plain decoding for t
   drafter's own size applies).
 - ``AutoPolicy``: measured. For each batch-size bucket (1, 2, 3-4, 5-8, ...) it keeps a moving
   average of emitted tokens per second of step time for a few budgets (0, half, full), uses the
-  best and re-measures the others every ``explore_every`` steps.
+  best and now and then re-measures the others (the slower they were, the more rarely).
 
 ``PolicyDrafter`` wraps any ``Drafter``: it asks the policy for the budget of the step, shortens
 the requests' ``max_nodes`` to it (or skips proposing when it is 0, returning empty trees) and
@@ -91,7 +91,12 @@ class TablePolicy:
 
 
 class AutoPolicy:
-    """Per batch-size bucket, the budget with the best measured tokens/s (see module docstring)."""
+    """Per batch-size bucket, the budget with the best measured tokens/s (see module docstring).
+
+    Every budget is measured once first; afterwards the best one is used and another budget is
+    re-measured when ``explore_every`` x (best rate / its rate) steps of the bucket passed since
+    its last use (at most 8 x ``explore_every``): a budget half as fast is re-checked half as often,
+    so exploring costs little where drafting is much slower."""
 
     def __init__(self, explore_every: int = 16, alpha: float = 0.25):
         if explore_every < 2:
@@ -101,6 +106,7 @@ class AutoPolicy:
         self.max_nodes = 0
         self.arms = [0]
         self.rate: dict[tuple[int, int], float] = {}      # (bucket, budget) -> tokens/s (EMA)
+        self.last: dict[tuple[int, int], int] = {}        # (bucket, budget) -> step last used
         self.steps: dict[int, int] = {}
 
     def bind(self, max_nodes: int) -> None:
@@ -108,6 +114,7 @@ class AutoPolicy:
             self.max_nodes = max_nodes
             self.arms = sorted({0, max(1, max_nodes // 2), max_nodes})
             self.rate.clear()
+            self.last.clear()
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -117,11 +124,16 @@ class AutoPolicy:
         b = self.bucket(batch_size)
         n = self.steps[b] = self.steps.get(b, 0) + 1
         untried = [a for a in self.arms if (b, a) not in self.rate]
-        if untried:
-            return untried[-1]
-        if n % self.explore_every == 0:
-            return self.arms[(n // self.explore_every) % len(self.arms)]
-        return max(self.arms, key=lambda a: self.rate[(b, a)])
+        choice = untried[-1] if untried else max(self.arms, key=lambda a: self.rate[(b, a)])
+        if not untried:
+            best = self.rate[(b, choice)]
+            for a in sorted(self.arms, key=lambda a: self.last.get((b, a), 0)):     # stalest first
+                wait = self.explore_every * min(8.0, best / max(self.rate[(b, a)], 1e-9))
+                if a != choice and n - self.last.get((b, a), 0) >= wait:
+                    choice = a
+                    break
+        self.last[(b, choice)] = n
+        return choice
 
     def observe(self, batch_size: int, budget: int, step_s: float, emitted_tokens: int) -> None:
         if step_s <= 0 or budget not in self.arms:

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from ..engine import Engine, Sequence
 from ..llm import LLM
@@ -91,7 +91,8 @@ class EngineRequest:
 class Scheduler:
     def __init__(self, llm: LLM, *, max_num_seqs: int, max_model_len: int, metrics: ServerMetrics,
                  max_queue: int = 1024, request_timeout: float | None = None,
-                 policy: SpecPolicy | None = None):
+                 policy: SpecPolicy | None = None, decode: Callable[[list[int]], str] | None = None):
+        """``decode`` replaces the engine's detokenizer (stop strings), e.g. to share a lock."""
         self.llm = llm
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -99,6 +100,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.request_timeout = request_timeout
         self.policy = policy
+        self.decode = decode
         self.engine = self._new_engine()
         self._cond = threading.Condition()
         self._waiting: collections.deque[EngineRequest] = collections.deque()
@@ -113,6 +115,8 @@ class Scheduler:
         engine = self.llm.make_engine(self.max_num_seqs, self.max_model_len)
         if self.policy is not None and engine.drafter is not None:
             engine.drafter = PolicyDrafter(engine.drafter, self.policy)
+        if self.decode is not None and engine.decode is not None:
+            engine.decode = self.decode
         self.metrics.reset_spec_baseline()
         return engine
 
@@ -183,7 +187,8 @@ class Scheduler:
                     break
             except Exception:        # noqa: BLE001 - the thread must outlive any bug
                 log.exception("scheduler iteration failed; failing running requests")
-                self._fail_running(500, "internal error in the scheduler")
+                with contextlib.suppress(Exception):
+                    self._fail_running(500, "internal error in the scheduler")
         self._shutdown()
 
     def _iteration(self) -> bool:
@@ -214,7 +219,7 @@ class Scheduler:
     def _fail_waiting(self, status: int, message: str) -> None:
         """Caller holds the lock."""
         while self._waiting:
-            self._error(self._waiting.popleft(), status, message, "error")
+            self._error(self._waiting.popleft(), status, message, "service_unavailable")
 
     def _process_cancels(self, cancels: list[EngineRequest]) -> None:
         for req in cancels:
@@ -318,7 +323,7 @@ class Scheduler:
                     self.engine.abort(req.seq)
             except Exception:         # noqa: BLE001
                 broken = True
-            self._error(req, status, message, "internal_error" if status == 500 else "error")
+            self._error(req, status, message, "internal_error" if status == 500 else "service_unavailable")
         if broken or self.engine.running:
             self._rebuild_engine()
 

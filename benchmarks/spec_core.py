@@ -1,0 +1,147 @@
+"""Speculative core benchmark: vanilla vs ``ngram`` vs ``draft_model``, greedy, batch 1.
+
+Part A (SmolLM2-135M): 2 Spec-Bench prompts per category, vanilla / ngram / self-draft.
+Part B (Qwen2.5-Coder 1.5B target, 0.5B draft): coding prompts (a subset: the 1.5B model runs
+about 2 tokens/s in fp32 on a 2-core CPU), vanilla / draft_model / ngram, acceptance per position.
+Methods run interleaved per prompt in one process; speedup = method tokens/s / vanilla tokens/s.
+
+    python benchmarks/spec_core.py [--part a|b|ab] [--max-tokens 128] [--qwen-prompts 4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from machine import machine_info  # noqa: E402
+
+from verispec import LLM, SamplingParams  # noqa: E402
+from verispec.data import per_category, spec_bench_questions  # noqa: E402
+from verispec.models.loading import load_model  # noqa: E402
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    return tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True), add_special_tokens=False).input_ids
+
+
+def run(methods: dict[str, LLM], prompts: list[tuple[str, list[int]]], max_tokens: int) -> dict:
+    """Interleave methods per prompt; aggregate per method and per (method, category)."""
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    rows = []
+    for llm in methods.values():                      # warm-up
+        llm.generate([{"prompt_token_ids": prompts[0][1]}], SamplingParams(temperature=0, max_tokens=4))
+    for cat, ids in prompts:
+        ref = None
+        for name, llm in methods.items():
+            t = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": ids}], sp)[0]
+            dt = time.perf_counter() - t
+            ref = out.token_ids if ref is None else ref
+            m = out.metrics
+            rows.append({"method": name, "category": cat, "tokens": len(out.token_ids), "seconds": dt,
+                         "drafts": m.num_drafts, "accepted": m.num_accepted_tokens, "draft_tokens": m.num_draft_tokens,
+                         "acceptance_rate_per_pos": m.acceptance_rate_per_pos, "same_as_vanilla": out.token_ids == ref})
+            print(f"{cat:16s} {name:12s} {len(out.token_ids) / dt:6.2f} tok/s  tau {m.mean_acceptance_length:.2f}",
+                  flush=True)
+    return summarize(rows, list(methods))
+
+
+def summarize(rows: list[dict], names: list[str]) -> dict:
+    def agg(sel):
+        tok, sec = sum(r["tokens"] for r in sel), sum(r["seconds"] for r in sel)
+        drafts, acc = sum(r["drafts"] for r in sel), sum(r["accepted"] for r in sel)
+        depth = max((len(r["acceptance_rate_per_pos"]) for r in sel), default=0)
+        per_pos = [sum(r["acceptance_rate_per_pos"][i] * r["drafts"] for r in sel
+                       if i < len(r["acceptance_rate_per_pos"])) / drafts if drafts else 0.0 for i in range(depth)]
+        return {"tokens_per_s": tok / sec, "tau": 1 + acc / drafts if drafts else 1.0,
+                "acceptance_rate_per_pos": per_pos, "identical_to_vanilla": all(r["same_as_vanilla"] for r in sel)}
+    cats = sorted({r["category"] for r in rows})
+    out = {"rows": rows, "overall": {}, "per_category": {}}
+    for n in names:
+        out["overall"][n] = agg([r for r in rows if r["method"] == n])
+        out["per_category"][n] = {c: agg([r for r in rows if r["method"] == n and r["category"] == c]) for c in cats}
+    base = out["overall"][names[0]]["tokens_per_s"]
+    for n in names:
+        out["overall"][n]["speedup"] = out["overall"][n]["tokens_per_s"] / base
+        for c in cats:
+            b = out["per_category"][names[0]][c]["tokens_per_s"]
+            out["per_category"][n][c]["speedup"] = out["per_category"][n][c]["tokens_per_s"] / b
+    return out
+
+
+def part_a(max_tokens: int) -> dict:
+    target = load_model("smollm2-135m")
+    qs = per_category(spec_bench_questions(), 2)
+    prompts = [(q["category"], chat_ids(target.tokenizer, q["turns"][0])) for q in qs]
+    methods = {"vanilla": LLM(loaded=target, max_num_seqs=1),
+               "ngram": LLM(loaded=target, max_num_seqs=1, speculative_config={
+                   "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}),
+               "self_draft": LLM(loaded=target, max_num_seqs=1, speculative_config={
+                   "method": "draft_model", "model": "self", "self_draft_layers": 8, "num_speculative_tokens": 3})}
+    return {"model": "smollm2-135m", "dtype": "float32", **run(methods, prompts, max_tokens)}
+
+
+def part_b(max_tokens: int, n_prompts: int) -> dict:
+    target = load_model("qwen2.5-coder-1.5b")
+    qs = [q for q in spec_bench_questions() if q["category"] == "coding"][:n_prompts]
+    prompts = [(q["category"], chat_ids(target.tokenizer, q["turns"][0])) for q in qs]
+    methods = {"vanilla": LLM(loaded=target, max_num_seqs=1),
+               "draft_model": LLM(loaded=target, max_num_seqs=1, speculative_config={
+                   "method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}),
+               "ngram": LLM(loaded=target, max_num_seqs=1, speculative_config={
+                   "method": "ngram", "num_speculative_tokens": 5})}
+    return {"model": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b", "dtype": "float32",
+            **run(methods, prompts, max_tokens)}
+
+
+def write_md(res: dict, path: str) -> None:
+    lines = ["# Speculative core benchmark (greedy, batch 1)", "",
+             f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, torch {res['machine']['torch']}, "
+             f"{res['machine']['threads']} threads. Mean acceptance length tau includes the bonus token.", ""]
+    for part in res["parts"]:
+        cats = sorted(next(iter(part["per_category"].values())))
+        lines += [f"## {part['model']}" + (f" (draft {part['draft']})" if "draft" in part else ""), "",
+                  "| method | tok/s | speedup | tau | identical to vanilla | " + " | ".join(cats) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(cats)]
+        for n, o in part["overall"].items():
+            per = " | ".join(f"{part['per_category'][n][c]['speedup']:.2f}x" for c in cats)
+            lines.append(f"| {n} | {o['tokens_per_s']:.2f} | {o['speedup']:.2f}x | {o['tau']:.2f} | "
+                         f"{o['identical_to_vanilla']} | {per} |")
+        lines += ["", "Acceptance rate per draft position:", ""]
+        for n, o in part["overall"].items():
+            if o["acceptance_rate_per_pos"]:
+                lines.append(f"- {n}: " + ", ".join(f"{x:.2f}" for x in o["acceptance_rate_per_pos"]))
+        lines.append("")
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(lines))
+    os.replace(path + ".tmp", path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", default="ab")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--qwen-prompts", type=int, default=4)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec_core"))
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    res = {"machine": machine_info(), "max_tokens": args.max_tokens, "parts": []}
+    if "a" in args.part:
+        res["parts"].append(part_a(args.max_tokens))
+    if "b" in args.part:
+        res["parts"].append(part_b(args.max_tokens, args.qwen_prompts))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".json.tmp", "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(args.out + ".json.tmp", args.out + ".json")
+    write_md(res, args.out + ".md")
+
+
+if __name__ == "__main__":
+    main()

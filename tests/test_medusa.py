@@ -1,0 +1,194 @@
+"""Medusa drafter: greedy output equal to vanilla (random and briefly trained heads, batch 1 and
+4, trees and chains, both checkpoint layouts), candidate alignment, typical acceptance (lossy,
+opt-in) against its definition, configuration errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import assert_same_or_tie
+from verispec import LLM, SamplingParams
+from verispec.checkpoints import MedusaLayout, save_medusa_heads
+from verispec.drafters.base import DraftRequest, TargetFeatures
+from verispec.drafters.dynamic_tree import StaticTreeConfig
+from verispec.drafters.medusa import (DEFAULT_MEDUSA_CHOICES, MedusaConfig, MedusaDrafter, MedusaHeads,
+                                      TypicalAcceptance, lossy_typical_accept)
+from verispec.sampling import target_probs
+from verispec.spec_config import SpecConfigError
+from verispec.tree import DraftTree, validate_choices
+from verispec.verify import accept_greedy
+
+PROMPT_INDEX = (0, 4, 8, 16)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+SMALL_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def new_heads(target_model, num_heads=3, num_layers=1, tied=True, seed=0, std=0.0) -> MedusaHeads:
+    cfg = MedusaConfig(num_heads, num_layers, target_model.cfg.hidden_size, target_model.cfg.vocab_size,
+                       tied_lm_head=tied)
+    heads = MedusaHeads(cfg, target_model.lm_head.weight.detach())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return heads.eval()
+
+
+def train_heads(heads, model, texts: list[tuple[list[int], int]], steps: int = 40, lr: float = 1e-2) -> None:
+    """Head k on f_t learns the target's choice at t+1+k (= x_{t+2+k}), over the ids the target
+    ranks in its top 64 somewhere (a cheap sampled softmax through the tied lm_head)."""
+    data, plausible = [], set()
+    with torch.no_grad():
+        for ids, start in texts:
+            o = model(torch.tensor([ids]), torch.arange(len(ids))[None])
+            data.append((o.last_hidden[0], o.logits[0].argmax(-1), start))
+            plausible |= set(torch.topk(o.logits[0], 64, dim=-1).indices.flatten().tolist())
+    vocab = torch.tensor(sorted(plausible))
+    index = torch.full((model.cfg.vocab_size,), -100, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    w = model.lm_head.weight.detach()[vocab]
+    params = list(heads.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = 0.0
+        for feats, labels, start in data:
+            states = heads.head_states(feats[start:])                    # [n, K, h]
+            for k in range(heads.cfg.num_heads):
+                n = len(labels) - (start + 1 + k)
+                y = index[labels[start + 1 + k:]]
+                loss = loss + F.cross_entropy(F.linear(states[:n, k], w), y, ignore_index=-100)
+        loss.backward()
+        opt.step()
+    heads.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def prompts(chat_prompts):
+    return [chat_prompts[i] for i in PROMPT_INDEX]
+
+
+@pytest.fixture(scope="module")
+def vanilla(target, prompts):
+    outs = LLM(loaded=target, max_num_seqs=4).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def folders(target, prompts, vanilla, tmp_path_factory):
+    root = tmp_path_factory.mktemp("medusa")
+    m = target.model
+    trained = new_heads(m, seed=1)
+    train_heads(trained, m, [(p + v, max(len(p) - 16, 1)) for p, v in zip(prompts, vanilla)])
+    return {"random_fd": save_medusa_heads(new_heads(m, std=0.02), root / "random_fd"),
+            "random_vllm": save_medusa_heads(new_heads(m, std=0.02, num_layers=2), root / "random_vllm",
+                                             MedusaLayout.VLLM),
+            "trained": save_medusa_heads(trained, root / "trained")}
+
+
+CASES = [  # (heads, tree keys, batch, prompts used)
+    ("random_fd", {"tree": SMALL_TREE}, 4, 4),
+    ("random_vllm", {"num_speculative_tokens": 2}, 1, 2),
+    ("trained", {"tree": SMALL_TREE}, 1, 2),
+    ("trained", {}, 4, 4),                                  # default tree
+]
+
+
+@pytest.mark.parametrize("folder,tree,batch,n", CASES, ids=[f"{c[0]}-{next(iter(c[1]), 'default')}-b{c[2]}"
+                                                          for c in CASES])
+def test_greedy_equals_vanilla(target, prompts, vanilla, folders, folder, tree, batch, n):
+    llm = LLM(loaded=target, speculative_config={"method": "medusa", "model": str(folders[folder]), **tree},
+              max_num_seqs=batch)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], GREEDY)
+    for p, o, want in zip(prompts, outs, vanilla):
+        assert_same_or_tie(target.model, p, o.token_ids, want, f"medusa {folder} {tree} b{batch}")
+    if folder == "trained":
+        acc = sum(o.metrics.num_accepted_tokens for o in outs) / sum(o.metrics.num_steps for o in outs)
+        assert acc > 0.5, f"trained Medusa heads accepted only {acc:.2f} tokens per step"
+        assert max(len(o.metrics.acceptance_rate_per_pos) for o in outs) >= 2
+
+
+def test_candidates_come_from_head_by_depth(target):
+    """Depth d nodes are head d-1's top ranks on f_t; the same ranks under every parent."""
+    heads = new_heads(target.model, std=0.05, seed=3)
+    choices = [[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0]]
+    drafter = MedusaDrafter(heads, StaticTreeConfig.from_choices(choices))
+    f = torch.randn(5, target.config.hidden_size)
+    drafter.start(0, [1, 2, 3, 4, 5], TargetFeatures({}, f))
+    tree, = drafter.propose([DraftRequest(0, [1, 2, 3, 4, 5, 6], GREEDY, torch.Generator())])
+    top = torch.topk(heads(f[-1]), 2, dim=-1).indices.tolist()            # [K, 2]
+    assert tree.tokens.tolist() == [top[0][0], top[0][1], top[1][0], top[1][0], top[1][1], top[2][0]]
+    assert tree.parents.tolist() == [-1, -1, 0, 1, 1, 2]
+    f2 = torch.randn(2, target.config.hidden_size)
+    drafter.accept(0, [6, 7], TargetFeatures({}, f2))
+    assert torch.equal(drafter.last[0], f2[-1])                         # f at the last committed position
+
+
+def test_default_tree():
+    assert validate_choices(DEFAULT_MEDUSA_CHOICES) == sorted(DEFAULT_MEDUSA_CHOICES, key=lambda c: (len(c), c))
+    assert len(DEFAULT_MEDUSA_CHOICES) == 16 and max(map(len, DEFAULT_MEDUSA_CHOICES)) == 3
+
+
+# -- typical acceptance (lossy, opt-in) -------------------------------------------------------------
+def _logits(rows: list[dict[int, float]], vocab: int = 8) -> torch.Tensor:
+    out = torch.full((len(rows), vocab), -1e4)
+    for i, r in enumerate(rows):
+        rest = 1 - sum(r.values())
+        out[i] = math.log(max(rest, 1e-9) / (vocab - len(r)))
+        for t, p in r.items():
+            out[i, t] = math.log(p)
+    return out
+
+
+def test_typical_acceptance_rule():
+    cfg = TypicalAcceptance(posterior_threshold=0.09, posterior_alpha=0.3)
+    params = SamplingParams(temperature=1.0)
+    # root: flat over 8 tokens -> threshold min(0.09, 0.3/8) = 0.0375; p(token) = 0.125 each
+    # node 0 (token 1) below root; node 1 (token 2) below node 0: peaked row p(2)=0.02 fails
+    tree = DraftTree(torch.tensor([1, 5, 2, 3]), torch.tensor([-1, -1, 0, 1]))
+    rows = [{}, {2: 0.02, 4: 0.9}, {3: 0.5}, {}, {}]            # (root, node0, node1, node2, node3)
+    logits = _logits(rows)
+    res = lossy_typical_accept(tree, logits, params, torch.Generator().manual_seed(0), cfg=cfg)
+    # path via node 1 (token 5) then node 3 (token 3, p=0.5 passes) is the longest
+    assert res.nodes == [1, 3] and res.tokens[:2] == [5, 3]
+    probs = target_probs(logits, params)
+    ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+    thr = torch.clamp(0.3 * torch.exp(-ent), max=0.09)
+    assert float(probs[1, 2]) <= float(thr[1])                  # the rejected token really fails
+    greedy = SamplingParams(temperature=0.0)
+    assert lossy_typical_accept(tree, logits, greedy, None, cfg=cfg) == accept_greedy(tree, logits)
+
+
+def test_typical_acceptance_is_lossy_and_opt_in(target, folders):
+    """A token the target gives 0.1 (above the threshold) is always accepted: lossy. The
+    engine keeps its lossless verifier unless told otherwise: the drafter only offers it."""
+    cfg = TypicalAcceptance()
+    tree = DraftTree(torch.tensor([4]), torch.tensor([-1]))
+    logits = _logits([{4: 0.1, 0: 0.9}, {}])
+    hits = sum(lossy_typical_accept(tree, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(s),
+                                    cfg=cfg).nodes == [0] for s in range(200))
+    assert hits == 200                                          # lossless would accept ~10%
+    plain = LLM(loaded=target, speculative_config={"method": "medusa", "model": str(folders["random_fd"])})
+    assert plain.make_engine(1, 64).drafter.acceptance is None
+    lossy = LLM(loaded=target, speculative_config={"method": "medusa", "model": str(folders["random_fd"]),
+                                                   "typical_acceptance": True, "posterior_threshold": 0.2})
+    fn = lossy.make_engine(1, 64).drafter.acceptance
+    assert fn.func is lossy_typical_accept and fn.keywords["cfg"].posterior_threshold == 0.2
+
+
+def test_config_errors(target, folders):
+    fd = str(folders["random_fd"])
+    bad = [({"method": "medusa"}, "needs 'model'"),
+           ({"method": "medusa", "model": fd, "topk": 4}, "static tree"),
+           ({"method": "medusa", "model": fd, "num_speculative_tokens": 4}, "3 Medusa heads"),
+           ({"method": "medusa", "model": fd, "tree": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}, "3 Medusa heads"),
+           ({"method": "medusa", "model": fd, "posterior_alpha": 0.2}, "typical_acceptance"),
+           ({"method": "medusa", "model": fd, "typical_acceptance": True, "posterior_threshold": 2.0}, r"\(0, 1\]")]
+    for spec, match in bad:
+        with pytest.raises(SpecConfigError, match=match):
+            LLM(loaded=target, speculative_config=spec)
