@@ -44,6 +44,7 @@ def _pvalue(counts: dict, exact: dict) -> float:
     if rest_e > 0:
         obs.append(rest_o)
         exp.append(rest_e)
+    assert len(obs) >= 5, "degenerate test: the target distribution has too few likely outcomes"
     scale = sum(obs) / sum(exp)
     return float(chisquare(obs, [e * scale for e in exp]).pvalue)
 
@@ -54,7 +55,7 @@ def _tiny(seed: int, vocab: int = 8, noise: float = 0.0) -> Transformer:
     cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)
     m = Transformer(cfg).eval().requires_grad_(False)
-    m.lm_head.weight.mul_(8.0)             # peakier distributions, like a real LM
+    m.lm_head.weight.mul_(3.0)             # peakier distributions, like a real LM
     if noise:
         g = torch.Generator().manual_seed(seed + 1000)
         for p in m.parameters():
@@ -91,7 +92,7 @@ def test_engine_is_lossless_with_tiny_models(tree, temperature, top_p, single_th
     seqs = [Sequence(prompt_ids=prompt, params=SamplingParams(**{**vars(params), "seed": i})) for i in range(n)]
     with torch.no_grad():
         engine.run(seqs)
-    assert engine.stats.num_accepted_tokens > 0.2 * engine.stats.num_drafts
+    assert engine.stats.num_accepted_tokens > 0.1 * engine.stats.num_drafts   # speculation is exercised
     counts: dict = {}
     for s in seqs:
         counts[tuple(s.output_ids[:3])] = counts.get(tuple(s.output_ids[:3]), 0) + 1

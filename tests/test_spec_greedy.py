@@ -3,8 +3,8 @@
 Drafters: n-gram, a self-draft model (first layers of the target), an oracle (always right) and an
 adversarial drafter (never right), with chains and trees, batch 1 and 4. Any mismatch must be a
 numerical tie (target top-2 logit margin < 1e-4) and is printed, never silently allowed.
-The default run covers 20 prompts x 96 tokens at batch 4 and 6 prompts at batch 1; the slow
-marker runs all 20 prompts at batch 1 as well.
+The default run covers 20 prompts x 96 tokens at batch 4 (8 for the tree self-draft) and 3 prompts
+at batch 1; the slow marker runs all 20 prompts at batch 1 and the tree self-draft on all 20.
 """
 from __future__ import annotations
 
@@ -108,11 +108,14 @@ def _check(target, kind, prompts, reference, batch):
 
 
 KINDS = ["ngram", "self_draft", "self_draft_tree", "oracle", "oracle_tree", "adversarial"]
+# Default run: every drafter at batch 4 (20 prompts; the tree self-draft on 8), batch 1 on 3
+# prompts. The slow marker runs the rest: all 20 prompts at batch 1 and the tree self-draft on 20.
+DEFAULT_PROMPTS_B4 = {"self_draft_tree": 8}
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_equal_batch4(target, prompts, reference, kind):
-    outs, _ = _check(target, kind, prompts, reference, 4)
+    outs, _ = _check(target, kind, prompts[:DEFAULT_PROMPTS_B4.get(kind, 20)], reference, 4)
     mal = sum(o.metrics.num_accepted_tokens for o in outs) / max(1, sum(o.metrics.num_drafts for o in outs))
     if kind.startswith("oracle"):
         assert mal > 3.0, f"oracle should be accepted almost always, got {mal:.2f} accepted per draft"
@@ -122,10 +125,15 @@ def test_greedy_equal_batch4(target, prompts, reference, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_equal_batch1(target, prompts, reference, kind):
-    _check(target, kind, prompts[::4][:5], reference, 1)
+    _check(target, kind, prompts[::7][:3], reference, 1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_equal_batch1_all_prompts(target, prompts, reference, kind):
     _check(target, kind, prompts, reference, 1)
+
+
+@pytest.mark.slow
+def test_greedy_equal_tree_self_draft_all_prompts(target, prompts, reference):
+    _check(target, "self_draft_tree", prompts, reference, 4)
