@@ -4,6 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup demo test test-slow bench-vanilla bench-spec-core qwen clean
 

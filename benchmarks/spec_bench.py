@@ -9,6 +9,8 @@ Two suites on smollm2-135m (fp32), written together to ``benchmarks/results/spec
   to fill them): where speculation stops paying.
 
 The settings below are the committed ones; flags only change where the files go and the threads.
+``analysis.md`` in the output folder (hand-written, if present) goes into report.md;
+``--rerender`` rebuilds report.md and the plots from results.json without running anything.
 ``OMP_WAIT_POLICY=PASSIVE`` is set (unless already set) before torch loads: on a machine whose
 cores are shared with other jobs, OpenMP's default spin-waiting made 2 threads 5-8x slower than 1.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch is imported (see above)
 
-from verispec.bench.report import headline, summarize, write_report
+from verispec.bench.report import headline, load_results, summarize, write_report
 from verispec.bench.runner import BenchConfig, run_benchmark
 from verispec.models.loading import load_model
 
@@ -49,11 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT, help=f"output folder (default {OUT})")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--rerender", action="store_true",
+                    help="rewrite report.md and plots from the existing results.json (no run)")
     args = ap.parse_args(argv)
-    configs = suites(args.threads)
-    loaded = load_model(configs[0].model, dtype=configs[0].dtype)
-    results = [run_benchmark(c, loaded=loaded) for c in configs]
-    files = write_report(args.out, results)
+    notes = args.out / "analysis.md"
+    if args.rerender:
+        results = load_results(args.out / "results.json")
+    else:
+        configs = suites(args.threads)
+        loaded = load_model(configs[0].model, dtype=configs[0].dtype)
+        results = [run_benchmark(c, loaded=loaded) for c in configs]
+    files = write_report(args.out, results, notes.read_text() if notes.is_file() else "")
     for r in results:
         print(f"\n{r.name}:\n{headline(r, summarize(r))}")
     print("\nwrote " + ", ".join(str(f) for f in files))

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # no busy-waiting threads on shared cores
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("VERISPEC_TEST_THREADS", "2")))
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 
@@ -11,7 +10,7 @@ from verispec.bench import BenchError, GenResult
 from verispec.bench import report as report_mod
 from verispec.bench import runner as runner_mod
 from verispec.bench.peers import stats_from_forwards
-from verispec.bench.report import PLOTS, summarize, write_report
+from verispec.bench.report import PLOTS, write_report
 from verispec.bench.runner import BenchConfig, Group, Turn, make_groups, resolve_methods, run_benchmark
 from verispec.metrics import SpecStats
 
@@ -67,6 +66,15 @@ def test_report_rerenders_from_results_json(tiny, tmp_path):
     first = json.loads((out / "results.json").read_text())["suites"][0]
     second = json.loads((tmp_path / "results.json").read_text())["suites"][0]
     assert second["summary"] == first["summary"] and second["records"] == first["records"]
+
+
+def test_sampling_run_skips_fidelity_and_single_sequence_peers_at_larger_batches(target):
+    result = run_benchmark(tiny_config(methods=("vanilla", "hf-pld"), categories=("qa",), temperature=0.8,
+                                       max_tokens=8), loaded=target, progress=False)
+    assert result.fidelity == []                    # only greedy runs are compared token by token
+    assert [(s["method"], s["batch_size"]) for s in result.skipped] == [("hf-pld", 2)]
+    assert {(r.method, r.batch_size) for r in result.records} == {("vanilla", 1), ("vanilla", 2), ("hf-pld", 1)}
+    assert all(r.num_tokens > 0 for r in result.records)
 
 
 def test_multi_turn_asks_turn_two_after_own_answer(target):

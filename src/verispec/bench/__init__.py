@@ -65,7 +65,7 @@ class GenResult:
 @dataclass
 class RunRecord:
     """One measured generate call: turn ``turn`` of batch ``group`` (one category) at
-    ``batch_size``, repeat ``repeat``. ``stats`` is ``SpecStats.as_dict()`` plus
+    ``batch_size``, repeat ``repeat``. ``wall_s`` is the wall time of the generate call. ``stats`` is ``SpecStats.as_dict()`` plus
     ``num_emitted_tokens``. ``peak_rss_mib``: the process's resident-set peak during the call;
     ``rss_increase_mib``: that peak minus the RSS just before the call (see ``memory_source``
     in the machine info for how it was measured)."""
@@ -114,7 +114,9 @@ class FidelityRecord:
 @dataclass
 class BenchResult:
     """One suite of a benchmark: ``config`` is the ``BenchConfig`` as a dict, ``machine`` the
-    machine description, ``skipped`` lists (method, batch size, reason) combinations not run."""
+    machine description, ``skipped`` lists (method, batch size, reason) combinations not run.
+    ``wall_s``: the run after loading (warm-up, generate calls, fidelity checks); ``load_s``:
+    loading the target and building the methods (HF models, draft models)."""
     name: str
     config: dict
     machine: dict

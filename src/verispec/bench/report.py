@@ -126,7 +126,8 @@ def _index(summaries: list[Summary]) -> dict[tuple[str, str, int], Summary]:
 
 
 def stops_paying(result: BenchResult, summaries: list[Summary]) -> dict[str, str]:
-    """Per speculative method: at which batch size its overall speedup over vanilla drops below 1."""
+    """Per speculative method: the batch size at which its overall speedup over vanilla drops
+    below 1, with every measured point."""
     idx, batches = _index(summaries), sorted({s.batch_size for s in summaries})
     out = {}
     for m in result.available():
@@ -136,15 +137,14 @@ def stops_paying(result: BenchResult, summaries: list[Summary]) -> dict[str, str
                if (m.name, OVERALL, b) in idx and idx[(m.name, OVERALL, b)].speedup_vs_vanilla is not None]
         if not pts:
             continue
-        below = [(b, s) for b, s in pts if s < 1.0]
+        points = ", ".join(f"batch {b}: {x:.2f}x" for b, x in pts)
+        below = [b for b, x in pts if x < 1.0]
         if not below:
-            out[m.name] = f"pays at every measured batch size (up to {pts[-1][0]}: {pts[-1][1]:.2f}x)"
-        elif below[0][0] == pts[0][0]:
-            out[m.name] = f"does not pay at any measured batch size ({pts[0][0]}: {pts[0][1]:.2f}x)"
+            out[m.name] = f"pays at every measured batch size ({points})"
+        elif below[0] == pts[0][0]:
+            out[m.name] = f"does not pay at any measured batch size, already below 1x at batch {below[0]} ({points})"
         else:
-            last_ok = max(b for b, s in pts if s >= 1.0 and b < below[0][0])
-            out[m.name] = (f"pays up to batch {last_ok}, stops paying at batch {below[0][0]} "
-                           f"({below[0][1]:.2f}x)")
+            out[m.name] = f"stops paying at batch {below[0]} ({points})"
     return out
 
 
@@ -224,7 +224,8 @@ def _settings(result: BenchResult) -> list[str]:
              f"- max {c['max_tokens']} new tokens per turn, temperature {c['temperature']}, "
              f"{c['repeats']} repeat(s), batch sizes {list(c['batch_sizes'])}, warm-up "
              f"{c['warmup_tokens']} tokens per method, HF weights: {c['hf_weights']}",
-             f"- Timed wall time {result.wall_s:.0f} s (model loading {result.load_s:.0f} s, untimed); "
+             f"- Run wall time {result.wall_s:.0f} s (warm-up and fidelity checks included; loading "
+             f"the models took {result.load_s:.0f} s more); "
              f"1-minute load average of the machine at start → end: {_load(result.machine)}"]
     if c.get("notes"):
         lines.append(f"- Note: {c['notes']}")
@@ -308,6 +309,13 @@ def _summary_lines(results: list[BenchResult], summaries: list[list[Summary]]) -
                  f"{idx[(m.name, OVERALL, b)].mean_acceptance_length:.2f})"
                  for m in res.available() if m.name != "vanilla" and (m.name, OVERALL, b) in idx]
         out.append(f"- `{res.name}`, batch {b}, overall speedup over vanilla: " + ", ".join(cells))
+        wins = {m.name: [f"{s.category} {s.speedup_vs_vanilla:.2f}x" for s in summ
+                         if s.method == m.name and s.batch_size == b and s.category != OVERALL
+                         and (s.speedup_vs_vanilla or 0) >= 1.0]
+                for m in res.available() if m.name not in ("vanilla", "hf")}
+        for name, cats in wins.items():
+            out.append(f"- `{res.name}`: **{name}** is at least as fast as vanilla on "
+                       + (", ".join(cats) if cats else "no category"))
         if len(res.config["batch_sizes"]) > 1:
             out += [f"- `{res.name}`: **{m}** {text}" for m, text in stops_paying(res, summ).items()]
         off = [m.name for m in res.methods if m.unavailable]
@@ -316,11 +324,15 @@ def _summary_lines(results: list[BenchResult], summaries: list[list[Summary]]) -
     return out + [""]
 
 
-def render_markdown(results: list[BenchResult], summaries: list[list[Summary]]) -> str:
+def render_markdown(results: list[BenchResult], summaries: list[list[Summary]], analysis: str = "") -> str:
+    """report.md; ``analysis``: hand-written Markdown placed under the generated summary."""
     machine = results[0].machine
     title = f"# Spec-Bench-style benchmark: `{results[0].config['model']}`"
     out = [title, "", f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
-    out += _summary_lines(results, summaries) + ["## Machine", ""] + _machine_lines(machine) + [""]
+    out += _summary_lines(results, summaries)
+    if analysis.strip():
+        out += ["## Analysis", "", analysis.strip(), ""]
+    out += ["## Machine", ""] + _machine_lines(machine) + [""]
     for res, summ in zip(results, summaries):
         out += suite_markdown(res, summ)
     out += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in PLOTS] + [""]
@@ -382,6 +394,9 @@ def plot_acceptance(result: BenchResult, summaries: list[Summary]) -> bytes:
             pos = list(range(1, len(s.acceptance_rate_per_pos) + 1))
             ax.plot(pos, s.acceptance_rate_per_pos, marker="o", label=f"{m.name} (τ={s.mean_acceptance_length:.2f})")
             drawn += 1
+    longest = max((len(s.acceptance_rate_per_pos) for s in summaries if s.batch_size == b), default=0)
+    if longest:
+        ax.set_xticks(range(1, longest + 1))
     ax.set_xlabel("draft position (depth)")
     ax.set_ylabel("share of drafted steps accepted to this depth")
     ax.set_ylim(0, 1.05)
@@ -472,14 +487,15 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def write_report(out_dir: str | Path, results: list[BenchResult] | BenchResult) -> list[Path]:
-    """Write results.json, report.md and the plots of ``results`` (suites) into ``out_dir``."""
+def write_report(out_dir: str | Path, results: list[BenchResult] | BenchResult, analysis: str = "") -> list[Path]:
+    """Write results.json, report.md and the plots of ``results`` (suites) into ``out_dir``.
+    ``analysis``: optional hand-written Markdown for report.md (see ``render_markdown``)."""
     results = [results] if isinstance(results, BenchResult) else list(results)
     if not results:
         raise ValueError("no benchmark results to write")
     summaries = [summarize(r) for r in results]
     files = {"results.json": results_json(results, summaries),
-             "report.md": render_markdown(results, summaries).encode()}
+             "report.md": render_markdown(results, summaries, analysis).encode()}
     files.update(render_plots(results, summaries))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -278,13 +278,11 @@ class EngineRunner:
                          draft_s=st.draft_time_s, verify_s=st.verify_time_s)
 
 
-def build_runners(specs: list[MethodSpec], loaded: LoadedModel, config: BenchConfig) -> tuple[list[MethodSpec], dict, float]:
-    """Runners of the available methods; methods failing to build become unavailable.
-    Returns (specs, runners by name, seconds spent loading peer/draft weights)."""
+def build_runners(specs: list[MethodSpec], loaded: LoadedModel, config: BenchConfig) -> tuple[list[MethodSpec], dict]:
+    """Runners of the available methods (by name); methods failing to build become unavailable."""
     from .peers import PeerFactory
     peers = PeerFactory(loaded, config.hf_weights)
     out, runners = [], {}
-    t0 = time.perf_counter()
     for spec in specs:
         if spec.unavailable is None:
             try:
@@ -297,7 +295,7 @@ def build_runners(specs: list[MethodSpec], loaded: LoadedModel, config: BenchCon
         out.append(spec)
     if "vanilla" not in runners:
         raise BenchError("vanilla could not be set up; it is the baseline of every speedup")
-    return out, runners, time.perf_counter() - t0
+    return out, runners
 
 
 # ---------------------------------------------------------------------------- machine, memory
@@ -473,8 +471,11 @@ def run_benchmark(config: BenchConfig, loaded: LoadedModel | None = None, progre
     questions = select_questions(load_questions(config.dataset), config.categories, config.per_category)
     t0 = time.perf_counter()
     loaded = loaded or load_model(config.model, dtype=config.dtype)
+    if next(loaded.model.parameters()).dtype != parse_dtype(config.dtype):
+        raise BenchError(f"the loaded target is {next(loaded.model.parameters()).dtype}, the config says "
+                         f"{config.dtype}; every method must run in one dtype")
     specs = resolve_methods(config, loaded.name, loaded.config.num_layers)
-    specs, runners, _ = build_runners(specs, loaded, config)
+    specs, runners = build_runners(specs, loaded, config)
     meter = RssMeter()
     dtype = next(loaded.model.parameters()).dtype
     result = BenchResult(config.name, config.as_dict(), machine_info(dtype, meter), specs,
