@@ -25,6 +25,15 @@ V, H, L = 24, 32, 6           # tiny target: vocab, hidden, layers
 DRAFT_IDS = torch.tensor([0, 1, 2, 4, 5, 7, 8, 10, 11, 13, 16, 17, 19, 20, 22, 23])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: thread hand-offs cost more than the arithmetic."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     cfg = ModelConfig(arch="llama", vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=L,
@@ -64,7 +73,8 @@ def proposals(tiny, head, tree=None):
     out = []
     for row, m in ((0, 7), (1, 11)):
         drafter.start(row, seq[:m], TargetFeatures({i: h[:m] for i, h in feats.hidden.items()}, feats.last_hidden[:m]))
-    reqs = [DraftRequest(row, seq[:m + 1], SamplingParams(temperature=0), torch.Generator()) for row, m in ((0, 7), (1, 11))]
+    reqs = [DraftRequest(row, seq[:m + 1], SamplingParams(temperature=0), torch.Generator())
+            for row, m in ((0, 7), (1, 11))]
     for t in drafter.propose(reqs):
         out.append((t.tokens.tolist(), t.parents.tolist()))
     return out
@@ -225,7 +235,8 @@ MALFORMED_EAGLE3 = [
     ("lm_head rows", {}, lambda t: t | {"lm_head.weight": torch.zeros(10, H)}, "lm_head.weight: checkpoint shape"),
     ("fc width", {}, lambda t: t | {"fc.weight": torch.zeros(H, 2 * H)}, "fc.weight: checkpoint shape"),
     ("aux ids", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 6]}}, None, "out of range"),
-    ("no shared embedding", {"hidden_size": 40, "target_hidden_size": H}, lambda t: _drop(t, "embed_tokens.weight"), "shares the target's"),
+    ("no shared embedding", {"hidden_size": 40, "target_hidden_size": H}, lambda t: _drop(t, "embed_tokens.weight"),
+     "shares the target's"),
     ("an EAGLE-1 head", {}, lambda t: eagle1_tensors(torch.Generator()), "not an EAGLE-3 head"),
     ("no d2t, reduced vocab", {}, lambda t: _drop(t, "d2t"), "missing tensors"),
 ]
@@ -300,7 +311,8 @@ def test_faster_decoding_names_load(tiny, tmp_path):
     t = {}
     for i in range(2):
         for j in range(2):
-            t[f"{i}.{j}.linear.weight"], t[f"{i}.{j}.linear.bias"] = torch.randn(H, H, generator=g), torch.randn(H, generator=g)
+            t[f"{i}.{j}.linear.weight"] = torch.randn(H, H, generator=g)
+            t[f"{i}.{j}.linear.bias"] = torch.randn(H, generator=g)
         t[f"{i}.2.weight"] = torch.randn(V, H, generator=g)
     write_ckpt(tmp_path, {"medusa_num_heads": 2, "medusa_num_layers": 2, "base_model_name_or_path": "x"}, t,
                "medusa_lm_head.pt")

@@ -149,3 +149,15 @@ def test_config_validation():
         DynamicTreeConfig(topk=0)
     assert StaticTreeConfig.chain(3).choices == ((0,), (0, 0), (0, 0, 0))
     assert DynamicTreeConfig(topk=8, depth=6).max_expanded == 40
+
+
+def test_default_budget_is_the_benchmarked_one():
+    """The default node budget is the one benchmarks/tree_cost.py chose and recorded."""
+    import json
+    from pathlib import Path
+    from verispec.drafters.dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS
+    res = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "tree_cost.json"
+    if not res.exists():
+        pytest.skip("benchmarks/results/tree_cost.json not generated")
+    assert json.loads(res.read_text())["chosen_num_draft_tokens"] == DEFAULT_NUM_DRAFT_TOKENS
+    assert DynamicTreeConfig().num_draft_tokens == DEFAULT_NUM_DRAFT_TOKENS

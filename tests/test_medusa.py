@@ -13,7 +13,7 @@ from helpers import assert_same_or_tie
 from verispec import LLM, SamplingParams
 from verispec.checkpoints import MedusaLayout, save_medusa_heads
 from verispec.drafters.base import DraftRequest, TargetFeatures
-from verispec.drafters.dynamic_tree import StaticTreeConfig
+from verispec.drafters.dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
 from verispec.drafters.medusa import (DEFAULT_MEDUSA_CHOICES, MedusaConfig, MedusaDrafter, MedusaHeads,
                                       TypicalAcceptance, lossy_typical_accept)
 from verispec.sampling import target_probs
@@ -92,8 +92,8 @@ def folders(target, prompts, vanilla, tmp_path_factory):
 
 
 CASES = [  # (heads, tree keys, batch, prompts used)
-    ("random_fd", {"tree": SMALL_TREE}, 4, 4),
-    ("random_vllm", {"num_speculative_tokens": 2}, 1, 2),
+    ("random_fd", {"tree": [[0], [1], [0, 0]]}, 4, 4),
+    ("random_vllm", {"num_speculative_tokens": 2}, 1, 1),
     ("trained", {"tree": SMALL_TREE}, 1, 2),
     ("trained", {}, 4, 4),                                  # default tree
 ]
@@ -131,7 +131,7 @@ def test_candidates_come_from_head_by_depth(target):
 
 def test_default_tree():
     assert validate_choices(DEFAULT_MEDUSA_CHOICES) == sorted(DEFAULT_MEDUSA_CHOICES, key=lambda c: (len(c), c))
-    assert len(DEFAULT_MEDUSA_CHOICES) == 16 and max(map(len, DEFAULT_MEDUSA_CHOICES)) == 3
+    assert len(DEFAULT_MEDUSA_CHOICES) == DEFAULT_NUM_DRAFT_TOKENS
 
 
 # -- typical acceptance (lossy, opt-in) -------------------------------------------------------------

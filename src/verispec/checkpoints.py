@@ -158,7 +158,8 @@ def eagle_config_from_json(cfg: dict, target_cfg, kind: HeadKind, has_embedding:
         raise CheckpointError(f"EAGLE-1 head hidden size {hidden} differs from the target's {target_cfg.hidden_size}")
     target_hidden = int(cfg.get("target_hidden_size") or hidden)
     if target_hidden != target_cfg.hidden_size:
-        raise CheckpointError(f"head expects target hidden size {target_hidden}, the target has {target_cfg.hidden_size}")
+        raise CheckpointError(f"head expects target hidden size {target_hidden}, "
+                              f"the target has {target_cfg.hidden_size}")
     if kind is HeadKind.EAGLE3:
         ids = aux_layer_ids or tuple((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or ()) \
             or EagleHeadConfig.default_aux_layer_ids(target_cfg.num_layers)

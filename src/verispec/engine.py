@@ -154,7 +154,7 @@ class Engine:
     def _feature_request(self) -> tuple[tuple[int, ...], bool]:
         if self.drafter is None:
             return (), False
-        return tuple(self.drafter.hidden_layers), bool(self.drafter.needs_last_hidden)
+        return tuple(dict.fromkeys(self.drafter.hidden_layers)), bool(self.drafter.needs_last_hidden)
 
     def _sample(self, logits: torch.Tensor, seq: Sequence) -> int:
         if seq.params.greedy:
@@ -176,7 +176,7 @@ class Engine:
         t2 = time.perf_counter()
         # 3) accept, compact, hand the drafter its tokens and features, emit
         for b, (seq, tree) in enumerate(zip(seqs, trees)):
-            res = accept(tree, out.logits[b, :len(tree) + 1], seq.params, seq.generator)
+            res = self._accept(tree, out.logits[b, :len(tree) + 1], seq.params, seq.generator)
             keep = torch.tensor([0] + [n + 1 for n in res.nodes])
             self.cache.compact(seq.row, keep)
             committed = [seq.root] + res.tokens[:-1]
@@ -194,6 +194,12 @@ class Engine:
             s.stats.draft_time_s += t1 - t0
             s.stats.verify_time_s += t3 - t1
         return seqs
+
+    def _accept(self, tree, logits, params, generator):
+        """The lossless verifier, unless the drafter opted into its own (lossy) acceptance, e.g.
+        Medusa's typical acceptance, which exists only when a user asked for it by name."""
+        custom = getattr(self.drafter, "acceptance", None)
+        return (custom or accept)(tree, logits, params, generator)
 
     def _propose(self, seqs: list[Sequence]) -> list[DraftTree]:
         if self.drafter is None:

@@ -61,7 +61,10 @@ class DraftModelDrafter:
 
     # -- internals -------------------------------------------------------------------------
     def _catch_up(self, requests: list[DraftRequest]) -> torch.Tensor:
-        rows = torch.tensor([r.row for r in requests])
+        """Feed each row the context it has not seen; return next-token logits [B, V] at the root.
+
+        Short feeds (the usual accepted tokens + root) share one right-padded forward; long feeds
+        (a newly started prompt) run alone, so padding never writes past a row's cache room."""
         feeds = []
         for r in requests:
             have = self.cached.setdefault(r.row, [])
@@ -69,15 +72,25 @@ class DraftModelDrafter:
             self.cache.rollback(torch.tensor([r.row]), m)
             del have[m:]
             feeds.append(r.context[m:])
+        short = [i for i, f in enumerate(feeds) if len(f) <= self.max_tree_nodes + 2]
+        groups = ([short] if short else []) + [[i] for i in range(len(feeds)) if i not in set(short)]
+        logits = [None] * len(feeds)
+        for group in groups:
+            out = self._feed([requests[i] for i in group], [feeds[i] for i in group])
+            for j, i in enumerate(group):
+                logits[i] = out[j]
+        return torch.stack(logits)
+
+    def _feed(self, requests: list[DraftRequest], feeds: list[list[int]]) -> torch.Tensor:
+        rows = torch.tensor([r.row for r in requests])
         t = max(len(f) for f in feeds)
         tokens = torch.zeros(len(feeds), t, dtype=torch.long)
         for i, f in enumerate(feeds):
             tokens[i, :len(f)] = torch.tensor(f)
-        start = self.cache.lengths[rows]
-        positions = start[:, None] + torch.arange(t)
+        positions = self.cache.lengths[rows][:, None] + torch.arange(t)
         last = torch.tensor([[len(f) - 1] for f in feeds])
         out = self.model(tokens, positions, self.cache, rows=rows, logits_index=last)
-        for i, (r, f) in enumerate(zip(requests, feeds)):
+        for r, f in zip(requests, feeds):
             self.cache.advance(torch.tensor([r.row]), len(f))
             self.cached[r.row].extend(f)
         return out.logits[:, 0]

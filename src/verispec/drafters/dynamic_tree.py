@@ -32,6 +32,11 @@ import torch
 from ..tree import validate_choices
 
 
+# Default node budget of a draft tree (EAGLE-2 dynamic tree, Medusa tree), chosen from the measured
+# target cost curve by the rule in benchmarks/tree_cost.py (results: benchmarks/results/tree_cost.md).
+DEFAULT_NUM_DRAFT_TOKENS = 12
+
+
 class Ranked(NamedTuple):
     """The best children of F nodes, best first: draft log-probs and draft token ids."""
     logp: torch.Tensor      # [F, width] (or [width])
@@ -54,7 +59,7 @@ class RankBy(str, enum.Enum):
 class DynamicTreeConfig:
     topk: int = 8
     depth: int = 6
-    num_draft_tokens: int = 24
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     rank_by: RankBy = RankBy.PATH
     rerank: bool = True
 

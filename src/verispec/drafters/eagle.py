@@ -33,10 +33,9 @@ from .base import DraftRequest, TargetFeatures
 from .dynamic_tree import DynamicTreeConfig, RankBy, Ranked, StaticTreeConfig, TreeBuilder, TreeConfig, rank
 from .eagle_head import EagleHead, HeadKind
 
-# Default dynamic tree: EAGLE-2's top-k 8 and depth 6; the node budget comes from the measured
-# target cost curve (benchmarks/results/tree_cost.md): the largest tree whose verify forward
-# costs at most 1.5x a one-token forward on the reference CPU.
-DEFAULT_DYNAMIC_TREE = DynamicTreeConfig(topk=8, depth=6, num_draft_tokens=16)
+# Default dynamic tree: EAGLE-2's top-k 8 and depth 6; the node budget (DEFAULT_NUM_DRAFT_TOKENS)
+# comes from the measured cost curve (benchmarks/results/tree_cost.md).
+DEFAULT_DYNAMIC_TREE = DynamicTreeConfig(topk=8, depth=6)
 
 
 class EagleDrafter:
@@ -219,14 +218,14 @@ def _dynamic(config: SpeculativeConfig, rank_by, rerank) -> DynamicTreeConfig:
     if config.depth and config.num_speculative_tokens and config.depth != config.num_speculative_tokens:
         raise SpecConfigError("'depth' and 'num_speculative_tokens' disagree; give one")
     try:
-        rank = RankBy(rank_by) if rank_by is not None else d.rank_by
+        mode = RankBy(rank_by) if rank_by is not None else d.rank_by
     except ValueError:
         raise SpecConfigError(f"'rank_by' must be one of {[r.value for r in RankBy]}, got {rank_by!r}") from None
     if rerank is not None and not isinstance(rerank, bool):
         raise SpecConfigError(f"'rerank' must be true or false, got {rerank!r}")
     return DynamicTreeConfig(topk=config.topk or d.topk, depth=depth,
                              num_draft_tokens=config.num_draft_tokens or d.num_draft_tokens,
-                             rank_by=rank, rerank=d.rerank if rerank is None else rerank)
+                             rank_by=mode, rerank=d.rerank if rerank is None else rerank)
 
 
 def build_eagle_factory(config: SpeculativeConfig, target, kind: HeadKind):

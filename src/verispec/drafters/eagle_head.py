@@ -194,8 +194,8 @@ class Eagle3Head(_HeadBase):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool)
-                             if cfg.draft_vocab_size == cfg.vocab_size else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        full = cfg.draft_vocab_size == cfg.vocab_size          # identity map unless a checkpoint says otherwise
+        self.register_buffer("t2d", torch.full((cfg.vocab_size,), full, dtype=torch.bool))
 
     def fuse(self, features: TargetFeatures) -> torch.Tensor:
         """[T, h] from the aux target features at T positions."""

@@ -30,14 +30,19 @@ from ..spec_config import SpecConfigError, SpeculativeConfig
 from ..tree import DraftTree, tree_from_choices
 from ..verify import AcceptResult
 from .base import DraftRequest, TargetFeatures
-from .dynamic_tree import StaticTreeConfig
+from .dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
 
-# Medusa's default sparse tree (FasterDecoding ``mc_sim_7b_63``), cut to its first 16 paths:
-# the list is built greedily by estimated acceptance, so every prefix is a tree; 16 is the node
+# FasterDecoding's ``mc_sim_7b_63`` sparse tree. It was built greedily by estimated acceptance, so
+# every prefix is a tree; the default keeps the first ``DEFAULT_NUM_DRAFT_TOKENS`` paths, the node
 # budget chosen from the measured cost curve (benchmarks/results/tree_cost.md).
-DEFAULT_MEDUSA_CHOICES: tuple[tuple[int, ...], ...] = (
+MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
     (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4), (2, 0),
-    (0, 5), (0, 0, 1), (5,))
+    (0, 5), (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8), (0, 0, 2), (3, 0),
+    (0, 9), (8,), (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0), (2, 1), (0, 0, 4), (0, 0, 5),
+    (0, 0, 0, 0), (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3), (0, 0, 7), (0, 0, 8), (0, 0, 9),
+    (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2), (2, 0, 0), (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5),
+    (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0), (0, 0, 0, 1), (1, 6), (0, 7, 0))
+DEFAULT_MEDUSA_CHOICES = MC_SIM_7B_63[:DEFAULT_NUM_DRAFT_TOKENS]
 
 
 @dataclass(frozen=True)
