@@ -26,3 +26,17 @@ def assert_same_or_tie(model, prompt: list[int], got: list[int], want: list[int]
     assert margin < TIE_MARGIN, "not a numerical tie: " + msg
     print("numerical tie reported:", msg)
     return msg
+
+
+def accept_first_children(tree, logits, params, g):
+    """A deliberately broken verifier (accepts every first child, then samples the target at the
+    last node): statistical tests must reject it, which shows they can fail."""
+    from verispec.sampling import target_probs
+    from verispec.verify import AcceptResult
+    kids = tree.children()
+    cur, nodes = -1, []
+    while kids[cur + 1]:
+        cur = kids[cur + 1][0]
+        nodes.append(cur)
+    final = int(torch.multinomial(target_probs(logits[cur + 1], params), 1, generator=g))
+    return AcceptResult(nodes, [int(tree.tokens[i]) for i in nodes] + [final], True)

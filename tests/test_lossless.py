@@ -18,9 +18,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from helpers import accept_first_children
 from verispec.sampling import SamplingParams, target_probs
 from verispec.tree import DraftTree
-from verispec.verify import AcceptResult, accept
+from verispec.verify import accept
 
 V, L, N = 4, 3, 6000
 P_BOUND = 1e-3
@@ -106,17 +107,6 @@ def _pvalue(samples: list[tuple], exact: dict[tuple, float]) -> float:
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
 
 
-def _always_accept(tree, logits, params, g):
-    """A broken verifier (accepts every first child): the test must reject it."""
-    kids = tree.children()
-    cur, nodes = -1, []
-    while kids[cur + 1]:
-        cur = kids[cur + 1][0]
-        nodes.append(cur)
-    final = int(torch.multinomial(target_probs(logits[cur + 1], params), 1, generator=g))
-    return AcceptResult(nodes, [int(tree.tokens[n]) for n in nodes] + [final], True)
-
-
 CASES = [("chain", 1.0, 1.0), ("chain", 0.7, 1.0), ("tree", 1.0, 1.0), ("tree", 0.7, 0.9),
          ("det", 1.0, 1.0), ("det", 0.7, 0.9)]
 
@@ -132,5 +122,5 @@ def test_verifier_is_lossless_on_synthetic_tables(shape, temperature, top_p, sin
 def test_statistical_test_rejects_a_broken_verifier(single_thread):
     params = SamplingParams(temperature=1.0, max_tokens=L)
     g = torch.Generator().manual_seed(99)
-    samples = [_sample_once(params, "chain", g, _always_accept) for _ in range(N)]
+    samples = [_sample_once(params, "chain", g, accept_first_children) for _ in range(N)]
     assert _pvalue(samples, _exact_joint(params)) < 1e-6

@@ -15,6 +15,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from helpers import accept_first_children
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.engine import Engine, Sequence
@@ -99,22 +100,10 @@ def test_engine_is_lossless_with_tiny_models(tree, temperature, top_p, single_th
     assert _pvalue(counts, _exact_tiny(target, prompt, params)) > P_BOUND
 
 
-def _accept_first_children(tree, logits, params, g):
-    """A broken verifier: accepts every first child, then samples the target at the last node."""
-    from verispec.verify import AcceptResult
-    kids = tree.children()
-    cur, nodes = -1, []
-    while kids[cur + 1]:
-        cur = kids[cur + 1][0]
-        nodes.append(cur)
-    final = int(torch.multinomial(target_probs(logits[cur + 1], params), 1, generator=g))
-    return AcceptResult(nodes, [int(tree.tokens[i]) for i in nodes] + [final], True)
-
-
 def test_engine_test_detects_a_biased_engine(monkeypatch, single_thread):
     """Power check: the same test rejects an engine with a broken verifier."""
     import verispec.engine as eng
-    monkeypatch.setattr(eng, "accept", _accept_first_children)
+    monkeypatch.setattr(eng, "accept", accept_first_children)
     target, draft = _tiny(0), _tiny(0, noise=0.3)
     prompt = [1, 2, 3, 1, 2]
     params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
