@@ -98,7 +98,7 @@ def main() -> None:
         results["dtypes"].append(r)
         print(f"{dtype}: verispec {r['verispec_tokens_per_s']:.2f} tok/s, HF {r['hf_tokens_per_s']:.2f} tok/s, "
               f"x{r['speedup_vs_hf']:.2f}; {100 * r['fraction_of_bandwidth_floor']:.0f}% of the bandwidth floor")
-    write(results, args.out)
+        write(results, args.out)           # after each dtype: a stopped run keeps what it measured
 
 
 def write(results: dict, out: str) -> None:
