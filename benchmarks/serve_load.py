@@ -195,14 +195,8 @@ def run_configs(configs: dict[str, list[str]], questions: list[dict], args: argp
 
 # ---------------------------------------------------------------------------- report
 def machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from verispec.bench.runner import cpu_model
+    cpu = cpu_model()
     import torch
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "load_average_at_start": list(os.getloadavg())}

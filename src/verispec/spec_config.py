@@ -83,8 +83,7 @@ class SpeculativeConfig:
                 raise SpecConfigError(f"speculative_config '{key}' must be a positive integer, got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpecConfigError("prompt_lookup_min must be <= prompt_lookup_max")
-        if self.method in (SpecMethod.DRAFT_MODEL, SpecMethod.EAGLE, SpecMethod.EAGLE3, SpecMethod.MEDUSA) \
-                and not self.model and self.method is SpecMethod.DRAFT_MODEL:
+        if self.method is SpecMethod.DRAFT_MODEL and not self.model:
             raise SpecConfigError("method 'draft_model' needs 'model' (a model name or path, or 'self')")
         if self.model == "self" and self.self_draft_layers is None:
             raise SpecConfigError("model 'self' (self-draft) needs 'self_draft_layers'")

@@ -344,18 +344,22 @@ class RssMeter:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine_info(dtype: torch.dtype, meter: RssMeter) -> dict:
     """CPU model, cores, memory, library versions, dtype and threads of this run."""
     import transformers
     from .. import __version__ as verispec_version
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     try:
         mem_kib = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines()
                        if x.startswith("MemTotal:"))

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .transformer import Transformer
+from .transformer import Transformer, rope_inv_freq
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -41,7 +41,7 @@ def build_transformer(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: t
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device="cpu")
-    model.inv_freq = _inv_freq(cfg)
+    model.inv_freq = rope_inv_freq(cfg)
     expected = set(model.state_dict().keys())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -57,11 +57,6 @@ def build_transformer(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: t
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.to(dtype).eval().requires_grad_(False).fuse_()
-
-
-def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    from .transformer import rope_inv_freq
-    return rope_inv_freq(cfg)
 
 
 def load_tokenizer(path: Path, fmt: str):
