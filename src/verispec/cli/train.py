@@ -1,0 +1,94 @@
+"""``verispec train eagle3|eagle|medusa``: train draft heads (runs unchanged under torchrun)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="target model (name or path)")
+    p.add_argument("--data", required=True, nargs="+",
+                   help="ShareGPT JSON / SpecForge JSONL files; on repeated ids the earlier file wins")
+    p.add_argument("--out", required=True, help="run folder: log.jsonl, train_state.pt, checkpoint/")
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--limit", type=int, help="first N conversations of each file")
+    p.add_argument("--stop-after", type=int, help="end this run after N steps (resume later)")
+    p.add_argument("--heldout-fraction", type=float, default=0.05)
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--batch-size", type=int, default=8, help="global sequences per optimizer step")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup-ratio", type=float, default=0.03)
+    p.add_argument("--max-grad-norm", type=float, default=0.5)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="training compute dtype")
+    p.add_argument("--save-dtype", choices=("fp32", "bf16"), default="bf16", help="checkpoint dtype")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--quiet", action="store_true")
+
+
+def train_config(args):
+    from ..train.loop import TrainConfig
+    return TrainConfig(out_dir=Path(args.out), epochs=args.epochs, max_steps=args.max_steps,
+                       batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, lr=args.lr,
+                       warmup_ratio=args.warmup_ratio, max_grad_norm=args.max_grad_norm, dtype=args.dtype,
+                       seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
+                       save_every=args.save_every, resume=not args.no_resume, progress=not args.quiet,
+                       stop_after=args.stop_after)
+
+
+def cmd_eagle3(args: argparse.Namespace) -> int:
+    import torch
+    from ..train.common import prepare_data, write_meta
+    from ..train.eagle3 import Eagle3Task, init_eagle3_head, new_head_config
+    from ..train.loop import Trainer
+    from ..train.vocab import build_draft_vocab, token_counts
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prep = prepare_data(args.model, args.data, max_length=args.max_length,
+                        heldout_fraction=args.heldout_fraction, limit=args.limit)
+    target = prep.target.model
+    vocab_path = Path(args.out) / "draft_vocab.pt"
+    counts = token_counts(((e.input_ids, e.loss_mask) for e in prep.train), target.cfg.vocab_size)
+    if vocab_path.exists() and not args.no_resume:
+        vocab = torch.load(vocab_path, weights_only=False)      # resume: keep the first run's vocabulary
+    else:
+        eos = [i for i in prep.target.config.eos_token_ids if i < target.cfg.vocab_size]
+        vocab = build_draft_vocab(counts, min(args.draft_vocab_size, target.cfg.vocab_size), always=eos)
+        vocab_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(vocab, vocab_path)
+    cfg = new_head_config(target.cfg, vocab.size, tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
+                          fc_norm=args.eagle31, norm_output=args.eagle31)
+    head = init_eagle3_head(cfg, target, vocab, seed=args.seed)
+    task = Eagle3Task(target, head, ttt_length=args.ttt_length, decay=args.ttt_decay)
+    task.save_dtype = torch.bfloat16 if args.save_dtype == "bf16" else torch.float32
+    result = Trainer(task, prep.train, prep.heldout, train_config(args)).fit()
+    write_meta(Path(args.out), prep, result, {
+        "method": "eagle3.1" if args.eagle31 else "eagle3", "ttt_length": args.ttt_length,
+        "draft_vocab_size": vocab.size, "draft_vocab_coverage": round(vocab.coverage(counts), 4)})
+    print(f"wrote {Path(args.out) / 'checkpoint'}; held-out: {result.eval}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train draft heads (EAGLE-3, EAGLE-1, Medusa)")
+    tsub = p.add_subparsers(dest="train_command", metavar="METHOD")
+    e3 = tsub.add_parser("eagle3", help="EAGLE-3 head with training-time test")
+    _common(e3)
+    e3.add_argument("--ttt-length", type=int, default=7)
+    e3.add_argument("--ttt-decay", type=float, default=0.8)
+    e3.add_argument("--draft-vocab-size", type=int, default=16384)
+    e3.add_argument("--aux-layer-ids", type=int, nargs=3, help="vLLM ids (k = output of layer k-1)")
+    e3.add_argument("--eagle31", action="store_true", help="EAGLE-3.1: fc_norm + norm_output")
+    e3.set_defaults(func=cmd_eagle3)
+    try:
+        from .train_more import add_more_parsers      # EAGLE-1 and Medusa trainers
+        add_more_parsers(tsub, _common, train_config)
+    except ImportError:
+        pass
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])

@@ -1,0 +1,187 @@
+"""EAGLE-3 trainer with training-time test (TTT), as EAGLE-3 / SpecForge train.
+
+Alignment (see ``drafters/eagle_head.py``): column c pairs the target feature at position c with the
+token at c+1 and predicts token c+2 from the target's distribution at position c+1. TTT unrolls
+``ttt_length`` steps: step 0 reads the target's fused features; step i feeds back the head's own
+output state of step i-1 at the same column, with tokens, targets and masks shifted by one
+(column c at step i reads token c+1+i at RoPE position c+i and learns token c+2+i). Step i attends
+to step-0 pairs at columns <= c (the committed prefix at inference) and to its own column at steps
+1..i (its ancestors in the draft tree): exactly what the drafter sees at tree depth i+1.
+
+Loss per step: soft cross-entropy against the target's distribution restricted (renormalised) to
+the draft vocabulary, at positions that are assistant tokens and whose full-vocabulary target
+argmax lies in the draft vocabulary; step i weighted ``decay ** i`` (0.8). The sum over steps is
+normalised by the number of valid step-0 positions. ``acc{i}`` = share of valid positions at step
+i where the head's argmax equals the target's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoints import save_eagle_head
+from ..drafters.eagle_head import Eagle3Head, EagleHeadConfig, HeadKind, init_head_weights
+from ..drafters.base import TargetFeatures
+from ..models.transformer import apply_rope
+from .loop import Batch, StepOut
+from .vocab import DraftVocab
+
+
+@dataclass
+class Eagle3Inputs:
+    tokens: torch.Tensor        # [B, L] token c+1 at column c (L = T-1)
+    positions: torch.Tensor     # [B, L] column index
+    hidden: torch.Tensor        # [B, L, n_aux*h] concatenated target features at position c
+    target_p: torch.Tensor      # [B, L, D] target distribution at position c+1 over the draft vocab
+    target_ids: torch.Tensor    # [B, L] draft id of the target argmax at c+1 (-1: out of vocab)
+    valid: torch.Tensor         # [B, L] bool: token c+2 is an assistant token, argmax in vocab
+    count: float                # valid step-0 positions
+
+
+def new_head_config(target_cfg, draft_vocab_size: int, aux_layer_ids: tuple[int, ...] | None = None,
+                    fc_norm: bool = False, norm_output: bool = False) -> EagleHeadConfig:
+    """A head shaped like one target layer (SpecForge's default draft config)."""
+    return EagleHeadConfig(
+        kind=HeadKind.EAGLE3, hidden_size=target_cfg.hidden_size, intermediate_size=target_cfg.intermediate_size,
+        num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads, head_dim=target_cfg.head_dim,
+        vocab_size=target_cfg.vocab_size, draft_vocab_size=draft_vocab_size,
+        target_hidden_size=target_cfg.hidden_size, target_num_layers=target_cfg.num_layers,
+        aux_layer_ids=aux_layer_ids or EagleHeadConfig.default_aux_layer_ids(target_cfg.num_layers),
+        rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta,
+        rope_scaling=target_cfg.rope_scaling, max_position_embeddings=target_cfg.max_position_embeddings,
+        fc_norm=fc_norm, norm_output=norm_output)
+
+
+def init_eagle3_head(cfg: EagleHeadConfig, target, vocab: DraftVocab, seed: int = 0) -> Eagle3Head:
+    """Random init, then a warm start from the target: ``lm_head`` = the target's lm_head rows of
+    the draft vocabulary, ``norm`` = the target's final norm; ``d2t``/``t2d`` from ``vocab``."""
+    if vocab.t2d.numel() != target.cfg.vocab_size or vocab.size != cfg.draft_vocab_size:
+        raise ValueError(f"draft vocab maps {vocab.size}/{vocab.t2d.numel()} do not fit the head "
+                         f"({cfg.draft_vocab_size} of {target.cfg.vocab_size})")
+    head = Eagle3Head(cfg, target.embed.weight.detach().float())
+    init_head_weights(head, seed)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight.detach()[vocab.draft_ids].float())
+        head.norm.weight.copy_(target.norm.weight.detach().float())
+        head.d2t.copy_(vocab.d2t)
+        head.t2d.copy_(vocab.t2d)
+    return head
+
+
+def ttt_attention(attn, x: torch.Tensor, cos, sin, past: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Attention of TTT step i = len(past): causal over step-0 keys, diagonal over steps 1..i."""
+    b, t, _ = x.shape
+    q = attn.wq(x).reshape(b, t, attn.h, attn.d).transpose(1, 2)
+    k = attn.wk(x).reshape(b, t, attn.kvh, attn.d).transpose(1, 2)
+    v = attn.wv(x).reshape(b, t, attn.kvh, attn.d).transpose(1, 2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    steps = past + [(k, v)]
+    keys = torch.cat([kv[0] for kv in steps], dim=2)
+    vals = torch.cat([kv[1] for kv in steps], dim=2)
+    causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=x.device)
+    mask = torch.cat([causal] + [eye] * len(past), dim=1)
+    out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=attn.kvh != attn.h)
+    return attn.wo(out.transpose(1, 2).reshape(b, t, attn.h * attn.d)), (k, v)
+
+
+def ttt_step(head: Eagle3Head, tokens, positions, hidden, past):
+    """One unrolled step; mirrors ``Eagle3Head.forward`` with the TTT attention."""
+    cos, sin = head._rope(positions, hidden.dtype)
+    x = torch.cat([head.input_layernorm(head._embed(tokens)), head.hidden_norm(hidden)], dim=-1)
+    a, kv = ttt_attention(head.attn, x, cos, sin, past)
+    h = hidden + a
+    h = h + head.mlp(head.post_attention_layernorm(h))
+    normed = head.norm(h)
+    return (normed if head.cfg.norm_output else h), head.lm_head(normed), kv
+
+
+def _shift(x: torch.Tensor, i: int, fill) -> torch.Tensor:
+    """x shifted left by i along dim 1, padded with ``fill``."""
+    if i == 0:
+        return x
+    pad = torch.full_like(x[:, :i], fill)
+    return torch.cat([x[:, i:], pad], dim=1)
+
+
+class Eagle3TTT(nn.Module):
+    """The trainable module: ``forward(Eagle3Inputs) -> StepOut`` (loss sum, acc@i stats)."""
+
+    def __init__(self, head: Eagle3Head, ttt_length: int = 7, decay: float = 0.8):
+        super().__init__()
+        if ttt_length < 1:
+            raise ValueError("ttt_length must be >= 1")
+        self.head, self.ttt_length, self.decay = head, ttt_length, decay
+
+    def unroll(self, inp: Eagle3Inputs) -> list[torch.Tensor]:
+        """Draft-vocabulary logits [B, L, D] of every TTT step."""
+        hidden = self._fuse(inp.hidden)
+        past: list = []
+        out = []
+        for i in range(self.ttt_length):
+            hidden, logits, kv = ttt_step(self.head, _shift(inp.tokens, i, 0), inp.positions + i, hidden, past)
+            past.append(kv)
+            out.append(logits)
+        return out
+
+    def forward(self, inp: Eagle3Inputs) -> StepOut:
+        loss = torch.zeros((), dtype=torch.float32)
+        stats = {}
+        for i, logits in enumerate(self.unroll(inp)):
+            p = _shift(inp.target_p, i, 0.0)
+            valid = _shift(inp.valid, i, False)
+            tid = _shift(inp.target_ids, i, -1)
+            ce = -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+            loss = loss + (self.decay ** i) * ce[valid].sum()
+            hits = (logits.argmax(-1) == tid) & valid
+            stats[f"acc{i}"] = torch.stack([hits.sum().float(), valid.sum().float()])
+        return StepOut(loss, stats)
+
+    def _fuse(self, cat_hidden: torch.Tensor) -> torch.Tensor:
+        h = self.head.cfg.target_hidden_size
+        parts = {layer: cat_hidden[..., j * h:(j + 1) * h] for j, layer in enumerate(self.head.aux_layers)}
+        return self.head.fuse(TargetFeatures(hidden=parts, last_hidden=None))
+
+
+class Eagle3Task:
+    """Couples the frozen target with an ``Eagle3TTT`` module (see ``loop.Task``)."""
+
+    def __init__(self, target, head: Eagle3Head, ttt_length: int = 7, decay: float = 0.8):
+        if head.cfg.vocab_size != target.cfg.vocab_size or head.cfg.target_hidden_size != target.cfg.hidden_size:
+            raise ValueError(f"head (vocab {head.cfg.vocab_size}, target hidden {head.cfg.target_hidden_size}) "
+                             f"does not fit the target (vocab {target.cfg.vocab_size}, hidden {target.cfg.hidden_size})")
+        self.target = target.eval().requires_grad_(False)
+        self.module = Eagle3TTT(head, ttt_length, decay)
+        self.draft_ids = torch.arange(head.cfg.draft_vocab_size) + head.d2t
+        t2d_ids = torch.full((head.cfg.vocab_size,), -1, dtype=torch.long)
+        t2d_ids[self.draft_ids] = torch.arange(head.cfg.draft_vocab_size)
+        self.target_to_draft = t2d_ids
+
+    @torch.no_grad()
+    def prepare(self, batch: Batch) -> Eagle3Inputs:
+        ids = batch.input_ids
+        b, t = ids.shape
+        if t < 3:
+            raise ValueError("sequences need >= 3 tokens")
+        pos = torch.arange(t).expand(b, t)
+        layers = tuple(dict.fromkeys(self.module.head.aux_layers))
+        out = self.target(ids, pos, hidden_layers=layers, compute_logits=False)
+        aux = torch.cat([out.hidden[k] for k in self.module.head.aux_layers], dim=-1)
+        last = out.last_hidden[:, 1:]                                   # positions 1..T-1
+        w = self.target.lm_head.weight
+        full_argmax = torch.cat([F.linear(c, w).argmax(-1) for c in last.split(128, dim=1)], dim=1)
+        draft_logits = F.linear(last, w[self.draft_ids])
+        target_ids = self.target_to_draft[full_argmax]
+        valid = (target_ids >= 0) & (_shift(batch.loss_mask, 2, 0.0)[:, :t - 1] > 0)
+        return Eagle3Inputs(tokens=ids[:, 1:], positions=pos[:, :-1], hidden=aux[:, :-1].float(),
+                            target_p=F.softmax(draft_logits.float(), -1), target_ids=target_ids,
+                            valid=valid, count=float(valid.sum()))
+
+    def save(self, folder: Path) -> None:
+        import copy
+        head = copy.deepcopy(self.module.head).to(getattr(self, "save_dtype", torch.bfloat16))
+        save_eagle_head(head, folder)

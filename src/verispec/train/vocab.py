@@ -1,0 +1,71 @@
+"""Reduced draft vocabulary (EAGLE-3 / SpecForge ``d2t`` / ``t2d``).
+
+The draft head predicts over the ``D`` target tokens most frequent among the training targets
+(assistant tokens under the loss mask). Maps, as the checkpoints store them:
+- ``d2t [D]`` int64 offsets: target id = draft id + d2t[draft id];
+- ``t2d [V]`` bool: which target ids are in the draft vocabulary.
+Draft ids are the chosen target ids in increasing order, so the map is monotone and stable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    d2t: torch.Tensor           # [D] int64 offsets
+    t2d: torch.Tensor           # [V] bool
+
+    @property
+    def size(self) -> int:
+        return self.d2t.numel()
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """[D] target ids of the draft vocabulary, increasing."""
+        return torch.arange(self.size) + self.d2t
+
+    def target_to_draft(self) -> torch.Tensor:
+        """[V] int64: draft id of each target id, -1 outside the draft vocabulary."""
+        out = torch.full(self.t2d.shape, -1, dtype=torch.long)
+        out[self.draft_ids] = torch.arange(self.size)
+        return out
+
+    def coverage(self, counts: torch.Tensor) -> float:
+        """Share of counted target tokens that the draft vocabulary contains."""
+        total = float(counts.sum())
+        return float(counts[self.t2d].sum()) / total if total else 0.0
+
+
+def token_counts(sequences: Iterable[tuple[Iterable[int], Iterable[int]]], vocab_size: int) -> torch.Tensor:
+    """[V] counts of tokens under the loss mask; ``sequences`` yields (ids, mask) pairs."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, mask in sequences:
+        ids_t = torch.tensor([i for i, m in zip(ids, mask) if m], dtype=torch.long)
+        if ids_t.numel():
+            if int(ids_t.max()) >= vocab_size or int(ids_t.min()) < 0:
+                raise ValueError(f"token id out of range for a vocabulary of {vocab_size}")
+            counts += torch.bincount(ids_t, minlength=vocab_size)
+    return counts
+
+
+def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int,
+                      always: Iterable[int] = ()) -> DraftVocab:
+    """The ``draft_vocab_size`` most frequent ids (ties: lower id first), plus ``always`` (e.g.
+    end-of-turn ids) which take the places of the least frequent picks."""
+    v = counts.numel()
+    if not 0 < draft_vocab_size <= v:
+        raise ValueError(f"draft_vocab_size must be in 1..{v}, got {draft_vocab_size}")
+    always = sorted({int(a) for a in always})
+    if len(always) > draft_vocab_size or any(not 0 <= a < v for a in always):
+        raise ValueError(f"'always' ids {always} do not fit a draft vocabulary of {draft_vocab_size} over {v}")
+    order = sorted(range(v), key=lambda i: (-int(counts[i]), i))
+    fixed = set(always)
+    picked = [i for i in order if i not in fixed][: draft_vocab_size - len(always)] + always
+    ids = torch.tensor(sorted(picked), dtype=torch.long)
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[ids] = True
+    return DraftVocab(d2t=ids - torch.arange(draft_vocab_size), t2d=t2d)

@@ -1,0 +1,198 @@
+"""Training pipeline: data formats, loss masks, draft vocabulary, EAGLE-3 TTT, the loop (resume,
+DDP), regeneration. Tiny random targets unless a real tokenizer / model is the point."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from train_tiny import VOCAB, tiny_examples, tiny_target, tiny_task
+from verispec.checkpoints import load_eagle_head
+from verispec.drafters.eagle_head import HeadKind
+from verispec.train.data import (Conversation, load_conversations, split_ids, tokenize_conversation)
+from verispec.train.eagle3 import Eagle3TTT
+from verispec.train.loop import TrainConfig, Trainer, collate
+from verispec.train.vocab import build_draft_vocab, token_counts
+
+HERE = Path(__file__).parent
+
+
+def _sharegpt(i: int, role2: str = "gpt") -> dict:
+    return {"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"},
+                                             {"from": role2, "value": f"answer {i}"}]}
+
+
+def test_sharegpt_truncated_file_keeps_complete_records(tmp_path):
+    recs = [_sharegpt(0), _sharegpt(1, role2="robot"), _sharegpt(2), {"id": "x", "conversations": "no"},
+            {"id": "lead", "conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"},
+                                             {"from": "gpt", "value": "a"}]}, _sharegpt(3)]
+    text = json.dumps(recs, indent=2)
+    cut = text.rindex('"answer 3"')                         # the file ends inside the last record
+    p = tmp_path / "sg.json"
+    p.write_text(text[:cut])
+    convs, rep = load_conversations(p)
+    assert [c.id for c in convs] == ["c0", "c2", "lead"]
+    assert rep.truncated_tail and rep.read == 5
+    assert sum(rep.skipped.values()) == 2
+    assert convs[2].messages[0]["role"] == "user"          # leading bot turn dropped
+
+
+def test_jsonl_malformed_lines_are_skipped_and_counted(tmp_path):
+    good = {"id": "a", "conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]}
+    lines = [json.dumps(good), "{not json", json.dumps({"id": "b", "skipped": "prompt too long"}),
+             json.dumps({"id": "c", "conversations": [{"role": "user", "content": 3}]}), "",
+             json.dumps(dict(good, id="d"))]
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    convs, rep = load_conversations(p)
+    assert [c.id for c in convs] == ["a", "d"]
+    assert rep.skipped == {"malformed JSON line": 1, "skipped by regeneration": 1,
+                           "unknown role or non-text content": 1}
+
+
+def test_split_is_deterministic_and_order_free():
+    convs = [Conversation(f"id{i}", ({"role": "user", "content": "q"},)) for i in range(400)]
+    tr, he = split_ids(convs, 0.1)
+    tr2, he2 = split_ids(list(reversed(convs)), 0.1)
+    assert {c.id for c in he} == {c.id for c in he2} and 20 < len(he) < 65
+    assert not {c.id for c in tr} & {c.id for c in he}
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(target):
+    tok = target.tokenizer
+    conv = Conversation("m", ({"role": "user", "content": "Name a colour."},
+                              {"role": "assistant", "content": "Blue is a colour."},
+                              {"role": "user", "content": "Another?"},
+                              {"role": "assistant", "content": "Green."}))
+    ex = tokenize_conversation(tok, conv, 512)
+    masked = tok.decode([i for i, m in zip(ex.input_ids, ex.loss_mask) if m])
+    assert "Blue is a colour." in masked and "Green." in masked
+    assert "Name a colour" not in masked and "Another?" not in masked and "user" not in masked
+    cut = tokenize_conversation(tok, conv, 8)
+    assert cut is None or len(cut.input_ids) == 8
+
+
+def test_draft_vocab_round_trip(tmp_path, single_thread):
+    counts = torch.zeros(VOCAB, dtype=torch.long)
+    counts[[5, 9, 1, 40]] = torch.tensor([10, 7, 7, 1])
+    v = build_draft_vocab(counts, 4, always=[47])
+    assert v.draft_ids.tolist() == [1, 5, 9, 47]             # top-3 by count (tie: lower id) + always
+    t2d = v.target_to_draft()
+    assert torch.equal(t2d[v.draft_ids], torch.arange(4)) and int((t2d >= 0).sum()) == 4
+    assert v.t2d.sum() == 4 and abs(v.coverage(counts) - 24 / 25) < 1e-9
+    task = tiny_task(tiny_target(), tiny_examples(4), draft_vocab=20)
+    task.save(tmp_path / "h")
+    head = load_eagle_head(tmp_path / "h", tiny_target(), HeadKind.EAGLE3)
+    assert torch.equal(head.d2t, task.module.head.d2t) and torch.equal(head.t2d, task.module.head.t2d)
+    ids = torch.arange(20)
+    assert torch.equal(head.draft_to_target(ids), task.draft_ids)
+
+
+def test_ttt_length_one_equals_plain_next_token_training(single_thread):
+    target = tiny_target()
+    data = tiny_examples(3)
+    task = tiny_task(target, data, ttt_length=1)
+    inp = task.prepare(collate(data))
+    out = task.module(inp)
+    head = task.module.head
+    plain = head(inp.tokens, inp.positions, task.module._fuse(inp.hidden)).logits      # causal, no cache
+    ce = -(inp.target_p * F.log_softmax(plain, -1)).sum(-1)
+    assert torch.allclose(out.loss_sum, ce[inp.valid].sum(), rtol=1e-5)
+
+
+@torch.no_grad()
+def test_ttt_steps_see_what_the_drafter_sees_at_each_depth(single_thread):
+    """TTT step i at column c == the head run with its KV cache on the committed pairs 0..c and a
+    chain of i draft nodes (tokens c+2..c+1+i), as the EAGLE drafter runs it."""
+    target = tiny_target()
+    data = tiny_examples(1, length=16)
+    task = tiny_task(target, data, ttt_length=4)
+    head = task.module.head
+    inp = task.prepare(collate(data))
+    steps = task.module.unroll(inp)
+    fused = task.module._fuse(inp.hidden)
+    for c in (3, 7):
+        cache = head.new_cache(1, 64)
+        out = head(inp.tokens[:, :c + 1], inp.positions[:, :c + 1], fused[:, :c + 1], cache)
+        cache.advance(torch.tensor([0]), c + 1)
+        state, logits = out.hidden[:, c:c + 1], out.logits[:, c]
+        for i in range(1, 4):
+            assert torch.allclose(logits, steps[i - 1][:, c], atol=1e-4), (c, i - 1)
+            tok = inp.tokens[:, c + i:c + i + 1]
+            pos = torch.tensor([[c + i]])
+            local = torch.ones(1, 1, i, dtype=torch.bool)
+            o = head(tok, pos, state, cache, rows=torch.tensor([0]), scratch=i - 1, local_mask=local)
+            state, logits = o.hidden, o.logits[:, 0]
+        assert torch.allclose(logits, steps[3][:, c], atol=1e-4)
+
+
+def _cfg(out: Path, steps: int, **kw) -> TrainConfig:
+    return TrainConfig(out_dir=out, max_steps=steps, batch_size=4, micro_batch_size=2, lr=3e-3, log_every=1,
+                       progress=False, **kw)
+
+
+def test_short_training_lowers_loss_and_raises_acc0(tmp_path, single_thread):
+    data = tiny_examples(24)
+    task = tiny_task(tiny_target(), data)
+    tr = Trainer(task, data, data[:8], _cfg(tmp_path, 40))
+    before = tr.evaluate()
+    res = tr.fit()
+    assert res.eval["loss"] < 0.8 * before["loss"], (before, res.eval)
+    assert res.eval["acc0"] > before["acc0"] + 0.15, (before, res.eval)
+    logs = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert logs[-1]["final"] and "acc2" in logs[-1]["eval"]
+    assert (tmp_path / "checkpoint" / "model.safetensors").exists()
+
+
+def test_resume_continues_the_same_curve(tmp_path, single_thread):
+    data = tiny_examples(16)
+    straight = Trainer(tiny_task(tiny_target(), data), data, data[:4], _cfg(tmp_path / "a", 6)).fit()
+    half = Trainer(tiny_task(tiny_target(), data), data, data[:4], _cfg(tmp_path / "b", 6, stop_after=3)).fit()
+    assert half.steps == 3 and not (tmp_path / "b" / "checkpoint").exists()
+    # a differently initialised head: everything must come from the saved state
+    second = Trainer(tiny_task(tiny_target(), data, seed=5), data, data[:4], _cfg(tmp_path / "b", 6))
+    assert second.step == 3
+    resumed = second.fit()
+    assert resumed.steps == 6
+    assert abs(resumed.last["loss"] - straight.last["loss"]) < 1e-5
+    assert abs(resumed.eval["loss"] - straight.eval["loss"]) < 1e-5
+
+
+def test_ddp_two_processes_match_one(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    losses = {}
+    for n in (1, 2):
+        out = tmp_path / f"n{n}"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+                        "--master_port", str(29600 + n), str(HERE / "ddp_train_worker.py"), str(out)],
+                       check=True, env=env, capture_output=True, timeout=200)
+        logs = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+        losses[n] = [r["loss"] for r in logs if "eval" not in r] + [logs[-1]["eval"]["loss"]]
+    assert len(losses[1]) == len(losses[2]) == 5
+    for a, b in zip(losses[1], losses[2]):          # tolerance: float summation order only
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), losses
+
+
+def test_regenerate_is_resumable(llm, tmp_path):
+    from verispec.train.regenerate import load_stats, regenerate
+    convs = [Conversation(f"r{i}", ({"role": "user", "content": f"Say the number {i}."},)) for i in range(3)]
+    convs.append(Conversation("long", ({"role": "user", "content": "word " * 300},)))
+    out = tmp_path / "regen.jsonl"
+    regenerate(llm, convs[:2], out, max_tokens=4, chunk_size=1, progress=False)
+    with out.open("a") as f:
+        f.write('{"id": "r2", "conversa')                   # a crash in the middle of a line
+    run = regenerate(llm, convs, out, max_tokens=4, chunk_size=2, max_prompt_tokens=64, progress=False)
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in recs] == ["r0", "r1", "r2", "long"]
+    assert recs[3] == {"id": "long", "skipped": "prompt over 64 tokens"}
+    assert run.conversations == 1 and run.skipped == 1
+    assert recs[0]["conversations"][-1]["role"] == "assistant" and recs[0]["meta"]["finish_reasons"]
+    assert load_stats(out).conversations == 3
+    loaded, rep = load_conversations(out)
+    assert len(loaded) == 3 and rep.skipped == {"skipped by regeneration": 1}
