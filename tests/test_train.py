@@ -196,3 +196,47 @@ def test_regenerate_is_resumable(llm, tmp_path):
     assert load_stats(out).conversations == 3
     loaded, rep = load_conversations(out)
     assert len(loaded) == 3 and rep.skipped == {"skipped by regeneration": 1}
+
+
+def test_offline_feature_cache_gives_the_online_inputs(tmp_path, single_thread, capsys):
+    from verispec.train.features import FeatureStore, write_features
+    target = tiny_target()
+    data = tiny_examples(5)
+    task = tiny_task(target, data)
+    layers = task.module.head.aux_layers
+    write_features(target, data, tmp_path / "f", layers, dtype="fp32", shard_sequences=2, progress=False)
+    assert "feature cache: 5 sequences" in capsys.readouterr().err
+    assert len(list((tmp_path / "f").glob("shard-*.safetensors"))) == 3
+    online = task.prepare(collate(data[:3]))
+    task.features = FeatureStore(tmp_path / "f", layers, target.cfg.hidden_size)
+    cached = task.prepare(collate(data[:3]))
+    real = torch.arange(online.hidden.shape[1])[None] < (collate(data[:3]).lengths[:, None] - 1)   # padding differs
+    assert torch.allclose(online.hidden[real], cached.hidden[real], atol=1e-5)
+    assert torch.allclose(online.target_p[real], cached.target_p[real], atol=1e-5)
+    assert torch.equal(online.valid, cached.valid) and online.valid.any()
+    with pytest.raises(ValueError, match="needs"):
+        FeatureStore(tmp_path / "f", layers[:2], target.cfg.hidden_size)
+    with pytest.raises(FileExistsError):
+        write_features(target, data, tmp_path / "f", layers, progress=False)
+
+
+def test_cli_trains_an_eagle3_head_that_decodes_losslessly(llm, tmp_path):
+    """verispec train eagle3 on a real target and 4 conversations, then greedy decoding with the
+    head equals vanilla greedy decoding."""
+    from verispec import LLM, SamplingParams
+    from verispec.cli import main
+    convs = [{"id": f"t{i}", "conversations": [{"role": "user", "content": f"Count from {i} to {i + 5}."},
+                                              {"role": "assistant", "content": ", ".join(str(k) for k in range(i, i + 6))}]}
+             for i in range(4)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    out = tmp_path / "run"
+    assert main(["train", "eagle3", "--data", str(data), "--out", str(out), "--max-steps", "2", "--batch-size", "2",
+                 "--heldout-fraction", "0", "--max-length", "64", "--draft-vocab-size", "512", "--quiet",
+                 "--ttt-length", "2"]) == 0
+    meta = json.loads((out / "train_meta.json").read_text())
+    assert meta["steps"] == 2 and meta["draft_vocab_size"] == 512 and meta["command"].startswith("verispec")
+    spec = LLM(loaded=llm.target, speculative_config={"method": "eagle3", "model": str(out / "checkpoint")})
+    prompt = [{"role": "user", "content": "Count from 3 to 9."}]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    assert spec.chat(prompt, params)[0].token_ids == llm.chat(prompt, params)[0].token_ids

@@ -39,6 +39,7 @@ from ..metrics import SpecStats
 from ..models.loading import LoadedModel, load_model, parse_dtype
 from ..models.sources import ModelSourceError
 from ..sampling import SamplingParams
+from ..shipped import model_stem, shipped_head
 from ..spec_config import SpecConfigError
 from . import PEER_KINDS, BenchError, BenchResult, FidelityRecord, GenResult, MethodSpec, RunRecord, stats_dict
 
@@ -169,19 +170,8 @@ def make_groups(questions: list[dict], batch_size: int) -> list[Group]:
 
 
 # ---------------------------------------------------------------------------- methods
-def _model_stem(model_name: str) -> str:
-    """``smollm2-135m`` for a known name, the file or folder name (no ``.gguf``) for a path."""
-    name = Path(model_name).name
-    return name[:-len(".gguf")] if name.endswith(".gguf") else name
-
-
 def _checkpoint(model_name: str, method: str) -> Path | None:
-    """``checkpoints/<model>-<method>`` under the working directory or the source checkout."""
-    name = f"{_model_stem(model_name)}-{method}"
-    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):
-        if (root / "checkpoints" / name).exists():
-            return root / "checkpoints" / name
-    return None
+    return shipped_head(model_name, method)
 
 
 def default_method_config(name: str, model_name: str, num_layers: int, overrides: dict) -> tuple[dict | None, str | None]:
@@ -198,7 +188,7 @@ def default_method_config(name: str, model_name: str, num_layers: int, overrides
     if name in ("eagle", "eagle3", "medusa"):
         path = _checkpoint(model_name, name)
         if path is None:
-            return None, f"no checkpoint: checkpoints/{_model_stem(model_name)}-{name} does not exist"
+            return None, f"no checkpoint: checkpoints/{model_stem(model_name)}-{name} does not exist"
         return {"method": name, "model": str(path)}, None
     if name == "hf-pld":
         ngram = overrides.get("ngram") or default_method_config("ngram", model_name, num_layers, {})[0]

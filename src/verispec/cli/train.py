@@ -65,13 +65,20 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     cfg = new_head_config(target.cfg, vocab.size, tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
                           fc_norm=args.eagle31, norm_output=args.eagle31)
     head = init_eagle3_head(cfg, target, vocab, seed=args.seed)
-    task = Eagle3Task(target, head, ttt_length=args.ttt_length, decay=args.ttt_decay)
+    features = None
+    if args.features:
+        from ..train.features import FeatureStore
+        features = FeatureStore(args.features, head.aux_layers,
+                                target.cfg.hidden_size)
+    task = Eagle3Task(target, head, ttt_length=args.ttt_length, decay=args.ttt_decay, features=features)
     task.save_dtype = torch.bfloat16 if args.save_dtype == "bf16" else torch.float32
     result = Trainer(task, prep.train, prep.heldout, train_config(args)).fit()
     write_meta(Path(args.out), prep, result, {
         "method": "eagle3.1" if args.eagle31 else "eagle3", "ttt_length": args.ttt_length,
         "draft_vocab_size": vocab.size, "draft_vocab_coverage": round(vocab.coverage(counts), 4)})
-    print(f"wrote {Path(args.out) / 'checkpoint'}; held-out: {result.eval}")
+    done = result.steps >= train_config(args).max_steps if args.max_steps else (Path(args.out) / "checkpoint").exists()
+    print(f"{'wrote ' + str(Path(args.out) / 'checkpoint') if done else 'stopped early (resume to finish)'}; "
+          f"held-out: {result.eval}")
     return 0
 
 
@@ -85,6 +92,7 @@ def add_parser(sub) -> None:
     e3.add_argument("--draft-vocab-size", type=int, default=16384)
     e3.add_argument("--aux-layer-ids", type=int, nargs=3, help="vLLM ids (k = output of layer k-1)")
     e3.add_argument("--eagle31", action="store_true", help="EAGLE-3.1: fc_norm + norm_output")
+    e3.add_argument("--features", help="offline feature cache from `verispec data features` (default: online)")
     e3.set_defaults(func=cmd_eagle3)
     try:
         from .train_more import add_more_parsers      # EAGLE-1 and Medusa trainers

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..shipped import with_shipped_head
 from ..spec_config import SpecConfigError, SpeculativeConfig
 from ..tree import DraftTree
 from .base import DraftRequest, TargetFeatures
@@ -231,9 +232,7 @@ def _dynamic(config: SpeculativeConfig, rank_by, rerank) -> DynamicTreeConfig:
 def build_eagle_factory(config: SpeculativeConfig, target, kind: HeadKind):
     """Load the head checkpoint named by ``config.model`` once; make a drafter per engine."""
     from ..checkpoints import CheckpointError, load_eagle_head
-    if not config.model:
-        raise SpecConfigError(f"method {config.method.value!r} needs 'model': a head checkpoint folder "
-                              "(EAGLE repo / SpecForge / vLLM layout); no trained head is bundled yet")
+    config = with_shipped_head(config, target)
     aux = config.eagle_aux_hidden_state_layer_ids
     if config.typical_acceptance or config.posterior_threshold is not None or config.posterior_alpha is not None:
         raise SpecConfigError("typical acceptance (lossy) is offered for method 'medusa' only")

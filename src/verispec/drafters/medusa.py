@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..sampling import SamplingParams, target_probs
+from ..shipped import with_shipped_head
 from ..spec_config import SpecConfigError, SpeculativeConfig
 from ..tree import DraftTree, tree_from_choices
 from ..verify import AcceptResult
@@ -241,9 +242,7 @@ def typical_config(config: SpeculativeConfig) -> TypicalAcceptance | None:
 
 def build_medusa_factory(config: SpeculativeConfig, target):
     from ..checkpoints import CheckpointError, load_medusa_heads
-    if not config.model:
-        raise SpecConfigError("method 'medusa' needs 'model': a Medusa heads folder (FasterDecoding or vLLM "
-                              "layout); no trained heads are bundled yet")
+    config = with_shipped_head(config, target)
     try:
         heads = load_medusa_heads(config.model, target.model)
     except CheckpointError as e:

@@ -150,11 +150,14 @@ class Eagle3TTT(nn.Module):
 class Eagle3Task:
     """Couples the frozen target with an ``Eagle3TTT`` module (see ``loop.Task``)."""
 
-    def __init__(self, target, head: Eagle3Head, ttt_length: int = 7, decay: float = 0.8):
+    def __init__(self, target, head: Eagle3Head, ttt_length: int = 7, decay: float = 0.8, features=None):
+        """``features``: a ``features.FeatureStore`` to read target features from instead of running
+        the target forward (its ``lm_head`` still gives the target distribution)."""
         if head.cfg.vocab_size != target.cfg.vocab_size or head.cfg.target_hidden_size != target.cfg.hidden_size:
             raise ValueError(f"head (vocab {head.cfg.vocab_size}, target hidden {head.cfg.target_hidden_size}) "
                              f"does not fit the target (vocab {target.cfg.vocab_size}, hidden {target.cfg.hidden_size})")
         self.target = target.eval().requires_grad_(False)
+        self.features = features
         self.module = Eagle3TTT(head, ttt_length, decay)
         self.draft_ids = torch.arange(head.cfg.draft_vocab_size) + head.d2t
         t2d_ids = torch.full((head.cfg.vocab_size,), -1, dtype=torch.long)
@@ -168,10 +171,8 @@ class Eagle3Task:
         if t < 3:
             raise ValueError("sequences need >= 3 tokens")
         pos = torch.arange(t).expand(b, t)
-        layers = tuple(dict.fromkeys(self.module.head.aux_layers))
-        out = self.target(ids, pos, hidden_layers=layers, compute_logits=False)
-        aux = torch.cat([out.hidden[k] for k in self.module.head.aux_layers], dim=-1)
-        last = out.last_hidden[:, 1:]                                   # positions 1..T-1
+        aux, last = self._features(batch)
+        last = last[:, 1:]                                              # positions 1..T-1
         w = self.target.lm_head.weight
         full_argmax = torch.cat([F.linear(c, w).argmax(-1) for c in last.split(128, dim=1)], dim=1)
         draft_logits = F.linear(last, w[self.draft_ids])
@@ -180,6 +181,16 @@ class Eagle3Task:
         return Eagle3Inputs(tokens=ids[:, 1:], positions=pos[:, :-1], hidden=aux[:, :-1].float(),
                             target_p=F.softmax(draft_logits.float(), -1), target_ids=target_ids,
                             valid=valid, count=float(valid.sum()))
+
+    def _features(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenated aux features [B, T, n*h] and the last hidden state [B, T, h]."""
+        ids = batch.input_ids
+        if self.features is not None:
+            return self.features.batch(batch.ids, batch.lengths.tolist(), ids.shape[1])
+        layers = tuple(dict.fromkeys(self.module.head.aux_layers))
+        out = self.target(ids, torch.arange(ids.shape[1]).expand(ids.shape), hidden_layers=layers,
+                          compute_logits=False)
+        return torch.cat([out.hidden[k] for k in self.module.head.aux_layers], dim=-1), out.last_hidden
 
     def save(self, folder: Path) -> None:
         import copy

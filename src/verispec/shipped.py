@@ -1,0 +1,50 @@
+"""Draft heads shipped with verispec: ``checkpoints/<model>-<method>/`` (e.g.
+``checkpoints/smollm2-135m-eagle3``), trained by ``verispec train`` on this project's machine.
+
+Looked up, first hit wins, in ``$VERISPEC_CHECKPOINTS``, ``./checkpoints`` and the ``checkpoints``
+folder of the source checkout verispec runs from. Each folder carries a ``README.md`` model card.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def model_stem(model_name: str) -> str:
+    """``smollm2-135m`` for a known name, the file or folder name (no ``.gguf``) for a path."""
+    name = Path(model_name).name
+    return name[:-len(".gguf")] if name.endswith(".gguf") else name
+
+
+def checkpoint_roots() -> list[Path]:
+    roots = [Path(os.environ["VERISPEC_CHECKPOINTS"])] if os.environ.get("VERISPEC_CHECKPOINTS") else []
+    roots += [Path.cwd() / "checkpoints", Path(__file__).resolve().parents[2] / "checkpoints"]
+    return list(dict.fromkeys(p.resolve() for p in roots))
+
+
+def shipped_head(model_name: str, method: str) -> Path | None:
+    """The shipped head folder for ``model_name`` and ``method`` (``eagle3``, ``medusa``, ...)."""
+    name = f"{model_stem(model_name)}-{method}"
+    for root in checkpoint_roots():
+        if (root / name / "config.json").exists():
+            return root / name
+    return None
+
+
+def with_shipped_head(config, target):
+    """``config`` with ``model`` filled in from the shipped head of ``target`` when it is missing;
+    a ``SpecConfigError`` naming what to do when none is shipped."""
+    from dataclasses import replace
+
+    from .spec_config import SpecConfigError
+    if config.model:
+        return config
+    method = config.method.value
+    path = shipped_head(getattr(target, "name", ""), method)
+    if path is None:
+        raise SpecConfigError(f"method {method!r} needs 'model': a head checkpoint folder; no {method} head "
+                              f"is shipped for {getattr(target, 'name', 'this model')!r} "
+                              f"(looked for <root>/{model_stem(getattr(target, 'name', '?'))}-{method} in "
+                              f"{', '.join(str(r) for r in checkpoint_roots())}); train one with "
+                              f"`verispec train {method}`")
+    return replace(config, model=str(path))
