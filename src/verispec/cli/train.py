@@ -82,6 +82,16 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ship(args: argparse.Namespace) -> int:
+    import json
+    from ..train.card import ship
+    regen = json.loads(Path(args.regen_stats).read_text()) if args.regen_stats else None
+    card = ship(Path(args.run), Path(args.dest), args.method, bench=Path(args.bench) if args.bench else None,
+                regen=regen, reproduce=args.reproduce or [])
+    print(f"wrote {card}")
+    return 0
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train draft heads (EAGLE-3, EAGLE-1, Medusa)")
     tsub = p.add_subparsers(dest="train_command", metavar="METHOD")
@@ -94,6 +104,14 @@ def add_parser(sub) -> None:
     e3.add_argument("--eagle31", action="store_true", help="EAGLE-3.1: fc_norm + norm_output")
     e3.add_argument("--features", help="offline feature cache from `verispec data features` (default: online)")
     e3.set_defaults(func=cmd_eagle3)
+    sh = tsub.add_parser("ship", help="copy a finished run's checkpoint to its shipped folder, with a model card")
+    sh.add_argument("run")
+    sh.add_argument("--dest", required=True)
+    sh.add_argument("--method", required=True)
+    sh.add_argument("--bench", help="benchmark results.json with rows for this method")
+    sh.add_argument("--regen-stats", help="<regenerated>.jsonl.stats.json")
+    sh.add_argument("--reproduce", action="append", help="a command line for the card (repeat)")
+    sh.set_defaults(func=cmd_ship)
     try:
         from .train_more import add_more_parsers      # EAGLE-1 and Medusa trainers
         add_more_parsers(tsub, _common, train_config)

@@ -1,0 +1,54 @@
+"""The shipped draft heads on Spec-Bench: ``python benchmarks/trained_heads.py`` (about 25 min on 2 cores).
+
+Three suites on smollm2-135m (fp32) with the heads in ``checkpoints/``, written to
+``benchmarks/results/trained_heads/``:
+
+* ``heads``: vanilla, eagle3 (EAGLE-2 dynamic tree, defaults topk 8 / depth 6 / 12 nodes),
+  eagle3-small (topk 4 / depth 4 / 6 nodes: fewer verify tokens, cheaper on a CPU), medusa
+  (default static tree), on one question per Spec-Bench category (13; the MT-bench ones with both
+  turns), 128 new tokens per turn, greedy, batch 1: the numbers the training issue asks for.
+* ``eagle2-ablation``: full dynamic tree, no reranking, confidence only, neither, on 4 categories,
+  64 tokens.
+* ``batch-sweep``: vanilla and eagle3 at batch 1, 4, 8 on 4 categories, 64 tokens.
+
+Run after ``benchmarks/spec_bench.py`` (the other methods and peers) on the same questions;
+vanilla runs in every suite, so each ratio is from one process. ``--rerender`` rebuilds the report.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch is imported
+
+from verispec.bench.runner import BenchConfig
+from verispec.bench.suite_main import suite_main
+
+OUT = Path(__file__).resolve().parent / "results" / "trained_heads"
+NOTE = ("Shared 2-core VM (other jobs of this session may compete; load averages in results.json). "
+        "All methods run interleaved per question in one process; ratios are the numbers to read.")
+SUBSET = ("translation", "summarization", "qa", "math_reasoning")
+
+
+def suites(threads: int) -> list[BenchConfig]:
+    common = dict(model="smollm2-135m", dtype="float32", threads=threads, hf_weights="loader",
+                  temperature=0.0, repeats=1, warmup_tokens=16, notes=NOTE)
+    small = {"method": "eagle3", "topk": 4, "depth": 4, "num_draft_tokens": 6}
+    return [
+        BenchConfig(name="heads", methods=("vanilla", "eagle3", "eagle3-small", "medusa"),
+                    method_configs={"eagle3-small": small}, per_category=1, max_tokens=128,
+                    batch_sizes=(1,), **common),
+        BenchConfig(name="eagle2-ablation", methods=("vanilla",), preset="eagle2-ablation", categories=SUBSET,
+                    per_category=1, max_tokens=64, batch_sizes=(1,), **common),
+        BenchConfig(name="batch-sweep", methods=("vanilla", "eagle3"), categories=SUBSET, per_category=1,
+                    max_tokens=64, batch_sizes=(1, 4, 8), **common),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    return suite_main(argv, suites, OUT, __doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

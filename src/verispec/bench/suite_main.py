@@ -1,0 +1,36 @@
+"""The command-line body shared by the committed benchmark scripts in ``benchmarks/``."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Callable
+
+from .report import headline, load_results, summarize, write_report
+from .runner import BenchConfig, run_benchmark
+
+
+def suite_main(argv: list[str] | None, suites: Callable[[int], list[BenchConfig]], out: Path,
+               description: str) -> int:
+    """Run ``suites(threads)`` (or only ``--suites NAME...``), write results.json, report.md and
+    plots to ``--out``; ``--rerender`` rebuilds the report from results.json. ``analysis.md`` in
+    the output folder (hand-written, if present) goes into report.md."""
+    from ..models.loading import load_model
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", type=Path, default=out, help=f"output folder (default {out})")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--suites", nargs="*", help="names of the suites to run (default: all)")
+    ap.add_argument("--rerender", action="store_true",
+                    help="rewrite report.md and plots from the existing results.json (no run)")
+    args = ap.parse_args(argv)
+    notes = args.out / "analysis.md"
+    if args.rerender:
+        results = load_results(args.out / "results.json")
+    else:
+        configs = [c for c in suites(args.threads) if not args.suites or c.name in args.suites]
+        loaded = load_model(configs[0].model, dtype=configs[0].dtype)
+        results = [run_benchmark(c, loaded=loaded) for c in configs]
+    files = write_report(args.out, results, notes.read_text() if notes.is_file() else "")
+    for r in results:
+        print(f"\n{r.name}:\n{headline(r, summarize(r))}")
+    print("\nwrote " + ", ".join(str(f) for f in files))
+    return 0
