@@ -23,6 +23,13 @@ from verispec.train.vocab import build_draft_vocab, token_counts
 HERE = Path(__file__).parent
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _sharegpt(i: int, role2: str = "gpt") -> dict:
     return {"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"},
                                              {"from": role2, "value": f"answer {i}"}]}
@@ -180,13 +187,15 @@ def test_resume_continues_the_same_curve(tmp_path, single_thread):
     assert abs(resumed.eval["loss"] - straight.eval["loss"]) < 1e-5
 
 
-def test_ddp_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("method", ["eagle3", "medusa", "eagle"])
+def test_ddp_two_processes_match_one(tmp_path, method):
+    """Every trainer, unchanged, under torchrun: 2 processes follow the 1-process curve."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
     losses = {}
     for n in (1, 2):
         out = tmp_path / f"n{n}"
         subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-                        "--master_port", str(29600 + n), str(HERE / "ddp_train_worker.py"), str(out)],
+                        "--master_port", str(_free_port()), str(HERE / "ddp_train_worker.py"), str(out), method],
                        check=True, env=env, capture_output=True, timeout=200)
         logs = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
         losses[n] = [r["loss"] for r in logs if "eval" not in r] + [logs[-1]["eval"]["loss"]]

@@ -44,7 +44,7 @@ def train_config(args):
 
 def cmd_eagle3(args: argparse.Namespace) -> int:
     import torch
-    from ..train.common import prepare_data, write_meta
+    from ..train.common import is_rank0, prepare_data, write_meta
     from ..train.eagle3 import Eagle3Task, init_eagle3_head, new_head_config
     from ..train.loop import Trainer
     from ..train.vocab import build_draft_vocab, token_counts
@@ -60,8 +60,9 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     else:
         eos = [i for i in prep.target.config.eos_token_ids if i < target.cfg.vocab_size]
         vocab = build_draft_vocab(counts, min(args.draft_vocab_size, target.cfg.vocab_size), always=eos)
-        vocab_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(vocab, vocab_path)
+        if is_rank0():                  # every rank computes the same vocabulary from the same data
+            vocab_path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(vocab, vocab_path)
     cfg = new_head_config(target.cfg, vocab.size, tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
                           fc_norm=args.eagle31, norm_output=args.eagle31)
     head = init_eagle3_head(cfg, target, vocab, seed=args.seed)

@@ -52,7 +52,14 @@ def prepare_data(model: str, data: str | list[str], *, max_length: int, heldout_
     return Prepared(target, train, held, summary)
 
 
+def is_rank0() -> bool:
+    """True in a single process and on rank 0 under torchrun (which sets RANK)."""
+    import os
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def write_meta(out_dir: Path, prep: Prepared, result, extra: dict) -> dict:
+    """Write ``train_meta.json`` (rank 0 only) and return its content."""
     meta = {
         "command": "verispec " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "",
         "data": prep.data_summary, "train_sequences": len(prep.train), "heldout_sequences": len(prep.heldout),
@@ -61,6 +68,8 @@ def write_meta(out_dir: Path, prep: Prepared, result, extra: dict) -> dict:
         "heldout": result.eval, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
     } | extra
+    if not is_rank0():
+        return meta
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "train_meta.json").write_text(json.dumps(meta, indent=2))
     return meta
