@@ -22,7 +22,7 @@ demo: $(STAMP)
 	  --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow

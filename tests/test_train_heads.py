@@ -306,3 +306,21 @@ def test_cli(tmp_path, monkeypatch, argv, check):
     assert meta["steps"] == 2 and meta["method"] in ("eagle", "medusa1", "medusa2")
     assert math.isfinite(meta["final_train"]["loss"])
     check(out / "checkpoint", target)
+
+
+def test_medusa_target_labels_are_the_targets_greedy_tokens():
+    """labels="target": head k at position t learns argmax p_target(. | x_<=t+1+k)."""
+    import torch
+    from verispec.train.loop import collate
+    from verispec.train.medusa import Medusa1Task, init_medusa_heads, new_medusa_config
+    from train_tiny import tiny_examples, tiny_target
+    target = tiny_target()
+    data = tiny_examples(2)
+    task = Medusa1Task(target, init_medusa_heads(new_medusa_config(target.cfg, 3, 1, True), target), labels="target")
+    batch = collate(data)
+    inp = task.prepare(batch)
+    t = batch.input_ids.shape[1]
+    greedy = target(batch.input_ids, torch.arange(t).expand(2, t)).logits.argmax(-1)
+    for k in range(3):
+        assert torch.equal(inp.labels[k, :, :t - 2 - k], greedy[:, 1 + k:t - 1])
+    assert inp.valid[0].any()

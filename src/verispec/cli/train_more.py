@@ -57,11 +57,12 @@ def cmd_medusa(args: argparse.Namespace, train_config) -> int:
                            kl_weight=args.kl_weight)
         task.tokenizer = prep.target.tokenizer
     else:
-        task = Medusa1Task(target, heads, decay=args.decay)
+        task = Medusa1Task(target, heads, decay=args.decay, labels=args.labels)
     task.save_dtype = _save_dtype(args)
     result = Trainer(task, prep.train, prep.heldout, train_config(args)).fit()
     extra = {"method": "medusa2" if args.medusa2 else "medusa1", "num_heads": args.num_heads,
-             "num_layers": args.num_layers, "tied_lm_head": args.tied_lm_head, "decay": args.decay}
+             "num_layers": args.num_layers, "tied_lm_head": args.tied_lm_head, "decay": args.decay,
+             "labels": "data" if args.medusa2 else args.labels}
     if args.medusa2:
         extra |= {"heads_coefficient": args.heads_coefficient, "kl_weight": args.kl_weight,
                   "layout": {"backbone": "checkpoint/ (Hugging Face folder)", "heads": f"checkpoint/{MEDUSA_DIR}/"}}
@@ -89,6 +90,9 @@ def add_more_parsers(tsub, common, train_config) -> None:
     md.add_argument("--tied-lm-head", action=argparse.BooleanOptionalAction, default=True,
                     help="project with the target's lm_head (small checkpoint) or train one per head")
     md.add_argument("--decay", type=float, default=0.8, help="head k's loss weight is decay**k")
+    md.add_argument("--labels", choices=("data", "target"), default="target",
+                    help="Medusa-1 labels: the target's greedy token after the data prefix (self-distilled, "
+                         "default) or the data token")
     md.add_argument("--medusa2", action="store_true",
                     help="train a copy of the backbone jointly (self-distilled); writes a new model")
     md.add_argument("--heads-coefficient", type=float, default=0.2, help="Medusa-2: weight of the head losses")

@@ -146,10 +146,16 @@ class Medusa1Module(nn.Module):
 class Medusa1Task:
     """Frozen target, trainable Medusa heads (see ``loop.Task``)."""
 
-    def __init__(self, target, heads: MedusaHeads, decay: float = DECAY):
+    def __init__(self, target, heads: MedusaHeads, decay: float = DECAY, labels: str = "data"):
+        """``labels``: ``"data"`` (the data token x_{t+2+k}) or ``"target"`` (self-distillation:
+        the target's argmax at position t+1+k given the data prefix, i.e. what greedy decoding
+        would put there after the data's x_{<=t+1+k}; right for data the target did not write)."""
         _check_fit(heads.cfg, target.cfg)
+        if labels not in ("data", "target"):
+            raise ValueError(f"labels must be 'data' or 'target', got {labels!r}")
         self.target = target.eval().requires_grad_(False)
         self.module = Medusa1Module(heads, decay)
+        self.labels = labels
         self.save_dtype = torch.bfloat16
 
     @torch.no_grad()
@@ -159,6 +165,13 @@ class Medusa1Task:
         pos = torch.arange(t).expand(b, t)
         f = self.target(ids, pos, compute_logits=False).last_hidden.float()
         labels, valid = head_targets(batch, self.module.heads.cfg.num_heads)
+        if self.labels == "target":
+            w = self.target.lm_head.weight
+            greedy = torch.cat([F.linear(c.to(w.dtype), w).argmax(-1) for c in f.split(128, dim=1)], dim=1)
+            for k in range(labels.shape[0]):
+                s = 2 + k
+                if s < t:
+                    labels[k, :, :t - s] = greedy[:, s - 1:t - 1]
         return Medusa1Inputs(f, labels, valid, float(valid[0].sum()))
 
     def save(self, folder: Path) -> None:
