@@ -89,6 +89,7 @@ def main() -> None:
                                            add_generation_prompt=True), add_special_tokens=False).input_ids for q in qs]
     bw = copy_bandwidth_gbs()
     results = {"machine": machine_info(), "copy_bandwidth_GBps": bw, "max_tokens": args.max_tokens,
+               "per_category": args.per_category,
                "num_prompts": len(prompts), "dtypes": []}
     for dtype in args.dtypes.split(","):
         r = run_dtype(dtype, prompts, args.max_tokens)
@@ -110,7 +111,8 @@ def write(results: dict, out: str) -> None:
     lines = ["# verispec vanilla vs HF generate (greedy, batch 1)", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['threads']} threads; "
              f"copy bandwidth {results['copy_bandwidth_GBps']:.1f} GB/s (read+write). "
-             f"{results['num_prompts']} Spec-Bench prompts (2 per category), {results['max_tokens']} new tokens, "
+             f"{results['num_prompts']} Spec-Bench prompts ({results.get('per_category', '?')} per category), "
+             f"{results['max_tokens']} new tokens, "
              "interleaved per prompt.", "",
              "| dtype | verispec tok/s | HF tok/s | speedup | bandwidth floor tok/s | fraction of floor |",
              "|---|---|---|---|---|---|"]

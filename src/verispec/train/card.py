@@ -26,7 +26,8 @@ def _bench_rows(bench: Path, method: str) -> list[str]:
         rows = [s for s in summarize(result) if s.method == method and s.batch_size == 1]
         if not rows:
             continue
-        lines += [f"Suite `{result.name}` ({result.config.max_tokens} new tokens per turn, greedy, batch 1; "
+        cfg = result.config if isinstance(result.config, dict) else vars(result.config)
+        lines += [f"Suite `{result.name}` ({cfg.get('max_tokens')} new tokens per turn, greedy, batch 1; "
                   f"`{bench}`):", "", "| category | tau (mean acceptance length) | speedup vs vanilla | tokens/s |",
                   "|---|---|---|---|"]
         rows.sort(key=lambda s: s.category == OVERALL)
