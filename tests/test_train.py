@@ -265,3 +265,23 @@ def test_cli_trains_an_eagle3_head_that_decodes_losslessly(llm, tmp_path):
     prompt = [{"role": "user", "content": "Count from 3 to 9."}]
     params = SamplingParams(temperature=0, max_tokens=24)
     assert spec.chat(prompt, params)[0].token_ids == llm.chat(prompt, params)[0].token_ids
+
+
+def test_ship_copies_the_checkpoint_and_writes_the_card(tmp_path, single_thread):
+    from verispec.train.card import ship
+    run = tmp_path / "run"
+    tiny_task(tiny_target(), tiny_examples(4)).save(run / "checkpoint")
+    meta = {"data": "d.jsonl: 4 conversations", "train_sequences": 4, "train_tokens": 80, "heldout_sequences": 1,
+            "steps": 6, "batch_size": 2, "wall_time_s": 12.0, "threads": 1, "torch": "x",
+            "final_train": {"loss": 1.5}, "heldout": {"acc0": 0.5, "acc1": 0.25, "loss": 2.0},
+            "draft_vocab_size": 32, "command": "verispec train eagle3 ..."}
+    (run / "train_meta.json").write_text(json.dumps(meta))
+    with pytest.raises(FileNotFoundError, match="no finished checkpoint"):
+        ship(tmp_path / "nothing", tmp_path / "dest", "eagle3")
+    card = ship(run, tmp_path / "dest", "eagle3", regen={"conversations": 3, "output_tokens": 90, "seconds": 60,
+                                                           "tokens_per_second": 1.5}, notes=["shared machine"])
+    text = card.read_text()
+    assert (tmp_path / "dest" / "model.safetensors").exists()
+    assert "| acc | 0.500 | 0.250 |" in text and "12 sequences seen (3.00 epochs)" in text
+    assert "3 conversations, 90 answer tokens" in text and "- shared machine" in text
+    assert "verispec train eagle3 ..." in text and "(not measured)" in text

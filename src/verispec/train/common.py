@@ -65,6 +65,7 @@ def write_meta(out_dir: Path, prep: Prepared, result, extra: dict) -> dict:
         "data": prep.data_summary, "train_sequences": len(prep.train), "heldout_sequences": len(prep.heldout),
         "train_tokens": sum(len(e.input_ids) for e in prep.train),
         "steps": result.steps, "wall_time_s": round(result.seconds, 1), "final_train": result.last,
+        "batch_size": getattr(result, "batch_size", None),
         "heldout": result.eval, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
     } | extra

@@ -148,6 +148,7 @@ class TrainResult:
     last: dict
     eval: dict
     log_path: Path
+    batch_size: int = 0
 
 
 class Trainer:
@@ -290,7 +291,7 @@ class Trainer:
             self.task.save(cfg.out_dir / "checkpoint")
         if dist.is_initialized():
             dist.barrier()
-        return TrainResult(self.step, time.perf_counter() - t0, last, ev, self.log_path)
+        return TrainResult(self.step, time.perf_counter() - t0, last, ev, self.log_path, cfg.batch_size)
 
 
 def _ratios(stats: dict[str, torch.Tensor]) -> dict[str, float]:
