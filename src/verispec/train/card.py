@@ -69,7 +69,7 @@ def write_card(dest: Path, meta: dict, method: str, *, bench: Path | None = None
               f"- final training step: loss {meta.get('final_train', {}).get('loss', float('nan')):.3f}", "",
               "Held-out accuracy per step (top-1 agreement with the target; acc@i = TTT step / head i):", ""]
     lines += _acc_table(held)
-    lines += [f"- {n}" for n in notes]
+    lines += ([""] + [f"- {n}" for n in notes]) if notes else []
     lines += ["", "## Measured acceptance", ""]
     lines += _bench_rows(bench, method.split(".")[0] if method != "eagle3.1" else "eagle3") if bench else ["(not measured)"]
     lines += ["", "## Reproduce", "", "```"] + list(reproduce or [meta.get("command", "")]) + ["```", ""]
