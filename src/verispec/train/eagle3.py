@@ -159,10 +159,9 @@ class Eagle3Task:
         self.target = target.eval().requires_grad_(False)
         self.features = features
         self.module = Eagle3TTT(head, ttt_length, decay)
-        self.draft_ids = torch.arange(head.cfg.draft_vocab_size) + head.d2t
-        t2d_ids = torch.full((head.cfg.vocab_size,), -1, dtype=torch.long)
-        t2d_ids[self.draft_ids] = torch.arange(head.cfg.draft_vocab_size)
-        self.target_to_draft = t2d_ids
+        vocab = DraftVocab(d2t=head.d2t, t2d=head.t2d)
+        self.draft_ids = vocab.draft_ids
+        self.target_to_draft = vocab.target_to_draft()
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Eagle3Inputs:
