@@ -1,12 +1,18 @@
-"""The committed Spec-Bench-style run: ``python benchmarks/spec_bench.py`` (about 25 min on 2 cores).
+"""The committed Spec-Bench-style run: ``python benchmarks/spec_bench.py`` (about 45 min on 2 cores).
 
-Two suites on smollm2-135m (fp32), written together to ``benchmarks/results/spec_bench/``:
+Three suites on smollm2-135m (fp32), written together to ``benchmarks/results/spec_bench/``:
 
 * ``main``: vanilla, ngram, draft_model (self-draft), hf, hf-pld on one question per Spec-Bench
   category (13 questions, the 8 MT-bench ones with both turns), 128 new tokens per turn, batch 1.
 * ``batch-sweep``: vanilla and ngram on 4 single-turn questions (translation, summarization, qa,
   math_reasoning), 64 new tokens, batch sizes 1, 4, 8 (category-pure batches, questions repeated
   to fill them): where speculation stops paying.
+* ``eagle-assisted``: vanilla, eagle (the shipped EAGLE-1 head, static tree), hf and hf-assisted
+  (HF assisted generation, the assistant the first 7 of 30 target layers with the target's head:
+  the same self-draft as ``draft_model``, 4 tokens a step) on the 13 questions of ``main``.
+  (The shipped EAGLE-3 and Medusa heads run in ``benchmarks/trained_heads.py``.)
+
+``--suites NAME`` reruns one suite and keeps the others in results.json.
 
 The settings below are the committed ones; flags only change where the files go and the threads.
 ``analysis.md`` in the output folder (hand-written, if present) goes into report.md;
@@ -42,6 +48,8 @@ def suites(threads: int) -> list[BenchConfig]:
         BenchConfig(name="batch-sweep", methods=("vanilla", "ngram"),
                     categories=("translation", "summarization", "qa", "math_reasoning"), per_category=1,
                     max_tokens=64, batch_sizes=(1, 4, 8), **common),
+        BenchConfig(name="eagle-assisted", methods=("vanilla", "eagle", "hf", "hf-assisted"),
+                    per_category=1, max_tokens=128, batch_sizes=(1,), **common),
     ]
 
 

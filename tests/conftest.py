@@ -43,10 +43,37 @@ def chat_prompts(target, spec_bench):
     return out
 
 
-@pytest.fixture
-def single_thread():
-    """Tiny-tensor tests run far faster on one thread (no OpenMP barriers per op)."""
+@pytest.fixture(scope="session")
+def head_prompts(chat_prompts):
+    """The four short prompts the draft-head tests (EAGLE, Medusa) decode."""
+    from helpers import HEAD_PROMPTS
+    return [chat_prompts[i] for i in HEAD_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def head_vanilla(target, head_prompts):
+    """Vanilla greedy continuations (``HEAD_TOKENS``) of ``head_prompts``: the heads' reference."""
+    from helpers import HEAD_TOKENS
+    from verispec import LLM, SamplingParams
+    outs = LLM(loaded=target, max_num_seqs=4).generate(
+        [{"prompt_token_ids": p} for p in head_prompts], SamplingParams(temperature=0.0, max_tokens=HEAD_TOKENS))
+    return [o.token_ids for o in outs]
+
+
+def _one_thread():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def single_thread():
+    """Tiny-tensor tests run far faster on one thread (no OpenMP barriers per op)."""
+    yield from _one_thread()
+
+
+@pytest.fixture(scope="module")
+def module_single_thread():
+    """``single_thread`` for a whole module of tiny-model tests (``pytestmark`` with usefixtures)."""
+    yield from _one_thread()

@@ -5,6 +5,9 @@ import torch
 
 TIE_MARGIN = 1e-4
 
+HEAD_PROMPTS = (0, 4, 8, 16)      # chat_prompts indices: writing, reasoning, coding, translation (short)
+HEAD_TOKENS = 32                  # new tokens per head-test prompt
+
 
 def top2_margin(model, ids: list[int]) -> float:
     """Target top-2 logit margin for the next token after ``ids`` (plain full forward)."""
@@ -40,3 +43,13 @@ def accept_first_children(tree, logits, params, g):
         nodes.append(cur)
     final = int(torch.multinomial(target_probs(logits[cur + 1], params), 1, generator=g))
     return AcceptResult(nodes, [int(tree.tokens[i]) for i in nodes] + [final], True)
+
+
+def tiny_llama(vocab: int, hidden: int, layers: int, seed: int = 0):
+    """A random tiny Llama-family ``Transformer`` (4 heads of 8, 2 KV heads), eval, no grad."""
+    from verispec.models.config import ModelConfig
+    from verispec.models.transformer import Transformer
+    cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=64,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8)
+    torch.manual_seed(seed)
+    return Transformer(cfg).eval().requires_grad_(False)

@@ -204,3 +204,20 @@ def test_hf_acceptance_from_forward_positions():
     assert st.accepted_per_pos == [2, 2, 1]
     plain = stats_from_forwards([(0, 10), (10, 11), (11, 12)], prompt_len=10, num_new=3)
     assert (plain.num_steps, plain.num_drafts, plain.num_emitted_tokens) == (2, 0, 2)
+
+
+def test_rerunning_one_suite_keeps_the_others(tiny, tmp_path):
+    """``--suites NAME`` replaces that suite in results.json and keeps the rest, in order."""
+    import dataclasses
+
+    from verispec.bench.report import load_results
+    from verispec.bench.suite_main import merge_suites
+    result, _ = tiny
+    other = dataclasses.replace(result, name="other")
+    write_report(tmp_path, [result, other])
+    rerun = dataclasses.replace(result, wall_s=result.wall_s + 1.0)
+    merged = merge_suites(tmp_path / "results.json", [rerun, dataclasses.replace(result, name="new")])
+    assert [r.name for r in merged] == ["tiny", "other", "new"]
+    assert merged[0].wall_s == rerun.wall_s and merged[1].wall_s == result.wall_s
+    assert merge_suites(tmp_path / "absent.json", [rerun]) == [rerun]
+    assert [r.name for r in load_results(tmp_path / "results.json")] == ["tiny", "other"]

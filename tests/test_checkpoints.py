@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import tiny_llama
 from verispec.checkpoints import (CheckpointError, MedusaLayout, load_eagle_head, load_medusa_heads,
                                   new_eagle_head, save_eagle_head, save_medusa_heads, write_config,
                                   write_tensors)
@@ -17,29 +18,17 @@ from verispec.drafters.dynamic_tree import DynamicTreeConfig, StaticTreeConfig
 from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind, init_head_weights
 from verispec.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
-from verispec.models.config import ModelConfig
-from verispec.models.transformer import Transformer
 from verispec.sampling import SamplingParams
 
 V, H, L = 24, 32, 6           # tiny target: vocab, hidden, layers
 DRAFT_IDS = torch.tensor([0, 1, 2, 4, 5, 7, 8, 10, 11, 13, 16, 17, 19, 20, 22, 23])
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: thread hand-offs cost more than the arithmetic."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("module_single_thread")   # tiny models: one thread
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig(arch="llama", vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=L,
-                      num_heads=4, num_kv_heads=2, head_dim=8)
-    torch.manual_seed(0)
-    return Transformer(cfg).eval().requires_grad_(False)
+    return tiny_llama(V, H, L)
 
 
 def eagle_cfg(kind: HeadKind, **kw) -> EagleHeadConfig:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_same_or_tie
+from helpers import HEAD_TOKENS, assert_same_or_tie
 from verispec import LLM, SamplingParams
 from verispec.checkpoints import new_eagle_head, save_eagle_head
 from verispec.drafters.base import DraftRequest, TargetFeatures
@@ -22,9 +22,7 @@ from verispec.models.transformer import Transformer
 from verispec.sampling import target_probs
 from verispec.spec_config import SpecConfigError
 
-PROMPT_INDEX = (0, 4, 8, 16)          # writing, reasoning, coding, translation: short prompts
-MAX_TOKENS = 32
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=HEAD_TOKENS)
 SMALL_DYNAMIC = {"topk": 3, "depth": 4, "num_draft_tokens": 8}
 TINY_DYNAMIC = {"topk": 2, "depth": 2, "num_draft_tokens": 3}
 TINY_STATIC = [[0], [1], [0, 0]]
@@ -118,14 +116,13 @@ def _pair_loss(head, ids, start, feats, labels, index, vocab):
 
 # -- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def prompts(chat_prompts):
-    return [chat_prompts[i] for i in PROMPT_INDEX]
+def prompts(head_prompts):
+    return head_prompts
 
 
 @pytest.fixture(scope="module")
-def vanilla(target, prompts):
-    outs = LLM(loaded=target, max_num_seqs=4).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    return [o.token_ids for o in outs]
+def vanilla(head_vanilla):
+    return head_vanilla
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from helpers import tiny_llama
+
 from verispec.checkpoints import (CheckpointError, MedusaLayout, load_eagle_head, load_medusa_heads,
                                   new_eagle_head, read_tensors, save_eagle_head, save_medusa_heads,
                                   write_tensors)
 from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind, init_head_weights
 from verispec.drafters.medusa import MedusaConfig, MedusaHeads
-from verispec.models.config import ModelConfig
-from verispec.models.transformer import Transformer
 from verispec.train.export import (ExportFormat, ExportWarning, SourceKind, detect_source, export,
                                    export_checkpoint)
 
@@ -31,20 +31,12 @@ EAGLE1_NAMES = {"fc.weight"} | {
                                      "mlp.down_proj")}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("module_single_thread")   # tiny models: one thread
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig(arch="llama", vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=L,
-                      num_heads=4, num_kv_heads=2, head_dim=8)
-    torch.manual_seed(0)
-    return Transformer(cfg).eval().requires_grad_(False)
+    return tiny_llama(V, H, L)
 
 
 def eagle_head(tiny, kind: HeadKind, **kw):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_same_or_tie
+from helpers import HEAD_TOKENS, assert_same_or_tie
 from verispec import LLM, SamplingParams
 from verispec.checkpoints import MedusaLayout, save_medusa_heads
 from verispec.drafters.base import DraftRequest, TargetFeatures
@@ -21,8 +21,7 @@ from verispec.spec_config import SpecConfigError
 from verispec.tree import DraftTree, validate_choices
 from verispec.verify import accept_greedy
 
-PROMPT_INDEX = (0, 4, 8, 16)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=HEAD_TOKENS)
 SMALL_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
@@ -69,14 +68,13 @@ def train_heads(heads, model, texts: list[tuple[list[int], int]], steps: int = 4
 
 
 @pytest.fixture(scope="module")
-def prompts(chat_prompts):
-    return [chat_prompts[i] for i in PROMPT_INDEX]
+def prompts(head_prompts):
+    return head_prompts
 
 
 @pytest.fixture(scope="module")
-def vanilla(target, prompts):
-    outs = LLM(loaded=target, max_num_seqs=4).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    return [o.token_ids for o in outs]
+def vanilla(head_vanilla):
+    return head_vanilla
 
 
 @pytest.fixture(scope="module")

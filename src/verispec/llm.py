@@ -50,11 +50,13 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
                  speculative_config: dict | str | SpeculativeConfig | None = None,
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_threads: int | None = None,
-                 loaded: LoadedModel | None = None):
-        """``loaded`` lets several LLMs share one loaded target (tests, benchmarks)."""
+                 loaded: LoadedModel | None = None, weights: str = "dense"):
+        """``loaded`` lets several LLMs share one loaded target (tests, benchmarks).
+        ``weights="fp16"``: fp16-packed matmul weights on the CPU (``models.packed``): faster, and a
+        few-token verification forward costs about a one-token decode; not bit-equal to fp32."""
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.target = loaded or load_model(model, dtype=dtype)
+        self.target = loaded or load_model(model, dtype=dtype, weights=weights)
         self.tokenizer = self.target.tokenizer
         self.spec = SpeculativeConfig.from_dict(speculative_config)
         self._make_drafter = build_drafter_factory(self.spec, self.target) if self.spec else None

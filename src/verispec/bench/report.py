@@ -217,7 +217,9 @@ def _settings(result: BenchResult) -> list[str]:
     c = result.config
     qids = list(dict.fromkeys(q for r in result.records if r.method == "vanilla" for q in r.question_ids))
     cats = _categories(result)
-    lines = [f"- Model `{c['model']}`, dtype {result.machine['dtype']}, threads {result.machine['threads']}; "
+    weights = c.get("weights", "dense")
+    weights = "" if weights == "dense" else f" with {weights}-packed matmul weights (HF peers: dense fp32)"
+    lines = [f"- Model `{c['model']}`, dtype {result.machine['dtype']}{weights}, threads {result.machine['threads']}; "
              f"dataset `{Path(c['dataset']).name}`",
              f"- {len(qids)} questions ({c['per_category'] or 'all'} per category) in {len(cats)} categories: "
              f"{', '.join(cats)}; question ids {qids}",

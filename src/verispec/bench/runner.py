@@ -37,6 +37,7 @@ from ..data import per_category, spec_bench_path, spec_bench_questions
 from ..llm import LLM
 from ..metrics import SpecStats
 from ..models.loading import LoadedModel, load_model, parse_dtype
+from ..models.packed import WeightFormat
 from ..models.sources import ModelSourceError
 from ..sampling import SamplingParams
 from ..shipped import model_stem, shipped_head
@@ -76,6 +77,7 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = (1,)
     repeats: int = 1
     dtype: str = "float32"
+    weights: str = "dense"
     threads: int | None = None
     hf_weights: str = "loader"
     warmup_tokens: int = 16
@@ -105,6 +107,10 @@ class BenchConfig:
         if self.hf_weights not in ("loader", "shared"):
             raise BenchError(f"hf_weights must be 'loader' or 'shared', got {self.hf_weights!r}")
         parse_dtype(self.dtype)
+        try:
+            WeightFormat.parse(self.weights)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -464,10 +470,11 @@ def run_benchmark(config: BenchConfig, loaded: LoadedModel | None = None, progre
         torch.set_num_threads(config.threads)
     questions = select_questions(load_questions(config.dataset), config.categories, config.per_category)
     t0 = time.perf_counter()
-    loaded = loaded or load_model(config.model, dtype=config.dtype)
-    if next(loaded.model.parameters()).dtype != parse_dtype(config.dtype):
-        raise BenchError(f"the loaded target is {next(loaded.model.parameters()).dtype}, the config says "
-                         f"{config.dtype}; every method must run in one dtype")
+    loaded = loaded or load_model(config.model, dtype=config.dtype, weights=config.weights)
+    if next(loaded.model.parameters()).dtype != parse_dtype(config.dtype) or loaded.weights != config.weights:
+        raise BenchError(f"the loaded target is {next(loaded.model.parameters()).dtype} with "
+                         f"{loaded.weights.value} weights, the config says {config.dtype} with {config.weights}; "
+                         "every method must run on one target")
     specs = resolve_methods(config, loaded.name, loaded.config.num_layers)
     specs, runners = build_runners(specs, loaded, config)
     meter = RssMeter()

@@ -27,10 +27,21 @@ def suite_main(argv: list[str] | None, suites: Callable[[int], list[BenchConfig]
         results = load_results(args.out / "results.json")
     else:
         configs = [c for c in suites(args.threads) if not args.suites or c.name in args.suites]
-        loaded = load_model(configs[0].model, dtype=configs[0].dtype)
-        results = [run_benchmark(c, loaded=loaded) for c in configs]
+        loaded = load_model(configs[0].model, dtype=configs[0].dtype, weights=configs[0].weights)
+        results = merge_suites(args.out / "results.json" if args.suites else None,
+                               [run_benchmark(c, loaded=loaded) for c in configs])
     files = write_report(args.out, results, notes.read_text() if notes.is_file() else "")
     for r in results:
         print(f"\n{r.name}:\n{headline(r, summarize(r))}")
     print("\nwrote " + ", ".join(str(f) for f in files))
     return 0
+
+
+def merge_suites(existing: Path | None, new: list) -> list:
+    """``new`` suites merged into those of ``existing`` (a results.json, if it exists): a suite
+    of the same name is replaced in place, the others are appended."""
+    if existing is None or not existing.is_file():
+        return new
+    merged = {r.name: r for r in load_results(existing)}
+    merged.update({r.name: r for r in new})
+    return list(merged.values())

@@ -54,7 +54,11 @@ def _load_draft_model(config: SpeculativeConfig, target):
             raise SpecConfigError(f"self_draft_layers={n} must be below the target's "
                                   f"{target.config.num_layers} layers")
         return self_draft(target.model, n)
-    draft = load_model(config.model, dtype=config.draft_dtype or next(target.model.parameters()).dtype)
+    import torch
+    from ..models.loading import parse_dtype
+    dtype = parse_dtype(config.draft_dtype or next(target.model.parameters()).dtype)
+    weights = target.weights if dtype == torch.float32 else "dense"   # the draft follows the target
+    draft = load_model(config.model, dtype=dtype, weights=weights)
     check_same_vocab(target, draft)
     return draft.model
 

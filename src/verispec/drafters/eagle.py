@@ -244,5 +244,7 @@ def build_eagle_factory(config: SpeculativeConfig, target, kind: HeadKind):
                                aux_layer_ids=tuple(aux) if aux is not None else None)
     except CheckpointError as e:
         raise SpecConfigError(f"speculative_config 'model': {e}") from e
+    if getattr(target, "weights", None) == "fp16" and next(head.parameters()).dtype == torch.float32:
+        head.pack_fp16_()                 # the head drafts with the target's fp16-packed kernels
     tree = tree_config(config, DEFAULT_DYNAMIC_TREE)
     return lambda max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len)

@@ -166,6 +166,14 @@ class _HeadBase(nn.Module):
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_tokens)
 
+    def pack_fp16_(self) -> "_HeadBase":
+        """fp16-packed matmuls (``models.packed``), for a head drafting for an fp16-packed target."""
+        from ..models.packed import pack_linears_fp16_
+        self.attn.fuse_()
+        self.mlp.fuse_()
+        pack_linears_fp16_(self, skip=("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up"))
+        return self
+
     @staticmethod
     def _select(x: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor:
         if logits_at is None:
@@ -241,6 +249,16 @@ class Eagle1Head(_HeadBase):
         self.mlp = MLP(lc)
         self.register_buffer("target_lm_head", target_lm_head, persistent=False)
 
+    def pack_fp16_(self) -> "Eagle1Head":
+        from ..models.packed import packed_reader
+        super().pack_fp16_()
+        self.__dict__["_lm_reader"] = packed_reader(self.target_lm_head)   # not a submodule: no state
+        return self
+
+    def _read_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        reader = self.__dict__.get("_lm_reader")
+        return reader(x) if reader is not None else F.linear(x, self.target_lm_head)
+
     def fuse(self, features: TargetFeatures) -> torch.Tensor:
         return features.last_hidden.to(self.fc.weight.dtype)
 
@@ -259,7 +277,7 @@ class Eagle1Head(_HeadBase):
         x = self.fc(torch.cat([self._embed(tokens), hidden], dim=-1))
         x = x + self.attn(x, cos, sin, mask, cache, rows, slots, used)
         x = x + self.mlp(self.post_attention_layernorm(x))
-        logits = F.linear(self._select(x, logits_at), self.target_lm_head) if compute_logits else None
+        logits = self._read_tokens(self._select(x, logits_at)) if compute_logits else None
         return HeadOutput(x, logits)
 
 

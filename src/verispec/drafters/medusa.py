@@ -91,6 +91,14 @@ class MedusaHeads(nn.Module):
             self.lm_heads = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
                                           for _ in range(cfg.num_heads))
 
+    def pack_fp16_(self) -> "MedusaHeads":
+        """fp16-packed matmuls (``models.packed``), for heads drafting for an fp16-packed target."""
+        from ..models.packed import pack_linears_fp16_, packed_reader
+        pack_linears_fp16_(self)
+        if self.lm_heads is None:
+            self.__dict__["_lm_reader"] = packed_reader(self.target_lm_head)   # not a submodule
+        return self
+
     def head_states(self, f: torch.Tensor) -> torch.Tensor:
         """[..., K, h]: the residual blocks' output of each head."""
         return torch.stack([blk(f) for blk in self.blocks], dim=-2)
@@ -98,7 +106,8 @@ class MedusaHeads(nn.Module):
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         states = self.head_states(f)
         if self.lm_heads is None:
-            return F.linear(states, self.target_lm_head)
+            reader = self.__dict__.get("_lm_reader")
+            return reader(states) if reader is not None else F.linear(states, self.target_lm_head)
         return torch.stack([lm(states[..., k, :]) for k, lm in enumerate(self.lm_heads)], dim=-2)
 
 
@@ -247,6 +256,8 @@ def build_medusa_factory(config: SpeculativeConfig, target):
         heads = load_medusa_heads(config.model, target.model)
     except CheckpointError as e:
         raise SpecConfigError(f"speculative_config 'model': {e}") from e
+    if getattr(target, "weights", None) == "fp16" and next(heads.parameters()).dtype == torch.float32:
+        heads.pack_fp16_()                # the heads draft with the target's fp16-packed kernels
     tree = medusa_tree(config, heads.cfg.num_heads)
     typical = typical_config(config)
     return lambda max_batch, max_len: MedusaDrafter(heads, tree, typical=typical)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
+from .packed import WeightFormat
 from .transformer import Transformer, rope_inv_freq
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -34,6 +35,7 @@ class LoadedModel:
     config: ModelConfig
     model: Transformer
     tokenizer: object      # a transformers PreTrainedTokenizer(Fast)
+    weights: WeightFormat = WeightFormat.DENSE
 
 
 def build_transformer(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
@@ -86,13 +88,20 @@ def load_tokenizer(path: Path, fmt: str):
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "float32",
-               with_tokenizer: bool = True) -> LoadedModel:
-    """Resolve ``model`` (known name, GGUF file or HF folder) and load weights and tokenizer."""
+               with_tokenizer: bool = True, weights: str | WeightFormat = "dense") -> LoadedModel:
+    """Resolve ``model`` (known name, GGUF file or HF folder) and load weights and tokenizer.
+    ``weights="fp16"``: fp16-packed matmul weights for CPU inference (``packed``; fp32 only)."""
+    weights = WeightFormat.parse(weights)
+    if weights is WeightFormat.FP16 and parse_dtype(dtype) != torch.float32:
+        raise ValueError("weights='fp16' packs fp32 models (activations stay fp32); use dtype float32")
     from .gguf_loader import load_gguf
     from .hf_loader import load_hf_folder
     from .sources import resolve_model
     src = resolve_model(model)
     cfg, state = load_gguf(src.path) if src.format == "gguf" else load_hf_folder(src.path)
     net = build_transformer(cfg, state, parse_dtype(dtype))
+    if weights is WeightFormat.FP16:
+        net.pack_fp16_()
     tok = load_tokenizer(src.path, src.format) if with_tokenizer else None
-    return LoadedModel(name=src.name, path=src.path, format=src.format, config=cfg, model=net, tokenizer=tok)
+    return LoadedModel(name=src.name, path=src.path, format=src.format, config=cfg, model=net, tokenizer=tok,
+                       weights=weights)

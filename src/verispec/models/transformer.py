@@ -229,3 +229,13 @@ class Transformer(nn.Module):
             layer.attn.fuse_()
             layer.mlp.fuse_()
         return self
+
+    def pack_fp16_(self) -> "Transformer":
+        """fp16-packed weights for every matmul of the fused forward (see ``packed``)."""
+        from .packed import pack_fp16_
+        if any(layer.attn.fused is None or layer.mlp.fused is None for layer in self.layers):
+            self.fuse_()
+        names = [f"layers.{i}.{m}" for i in range(len(self.layers))
+                 for m in ("attn.fused", "attn.wo", "mlp.fused", "mlp.w_down")]
+        pack_fp16_(self, tuple(names) + ("lm_head",))
+        return self

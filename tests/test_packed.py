@@ -1,0 +1,94 @@
+"""fp16-packed weights (``models.packed``): the kernel computes the fp16-rounded model, tree
+verification still matches a causal forward, greedy speculation on the packed target equals
+vanilla greedy on it (n-gram, the shipped EAGLE-3 and Medusa heads, packed too), bad input errors."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import assert_same_or_tie, tiny_llama
+from verispec import LLM, SamplingParams
+from verispec.models.loading import load_model
+from verispec.models.packed import PackedFP16Linear, WeightFormat, fp16_packing_available
+from verispec.tree import DraftTree
+
+pytestmark = pytest.mark.skipif(not fp16_packing_available(), reason="no FBGEMM fp16 kernels here")
+
+
+def test_packed_linear_computes_the_fp16_rounded_weight(single_thread):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 80)
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    packed = PackedFP16Linear(lin)
+    rounded = w.half().float()
+    assert torch.equal(lin.weight, rounded) and packed.weight is lin.weight   # rounded in place, shared
+    assert not torch.equal(rounded, w)
+    for m in (1, 2, 5, 16):
+        x = torch.randn(m, 96)
+        torch.testing.assert_close(packed(x), F.linear(x, rounded, b), rtol=1e-5, atol=1e-5)
+    assert packed(torch.randn(2, 3, 96)).shape == (2, 3, 80)
+
+
+def test_packed_model_matches_its_dense_twin_and_tree_forward(single_thread):
+    dense = tiny_llama(64, 32, 3).fuse_()
+    packed = copy.deepcopy(dense).pack_fp16_()
+    with torch.no_grad():
+        for name, m in packed.named_modules():        # the dense twin of the packed model
+            if isinstance(m, PackedFP16Linear):
+                w = dense.get_submodule(name).weight
+                w.copy_(w.half().float())
+        ids = torch.randint(0, 64, (2, 12))
+        pos = torch.arange(12).expand(2, 12)
+        torch.testing.assert_close(packed(ids, pos).logits, dense(ids, pos).logits, rtol=1e-4, atol=1e-4)
+        tree = DraftTree(torch.tensor([5, 9, 7, 3]), torch.tensor([-1, -1, 0, 2]))
+        prefix = [1, 2, 3]                            # the last one is the tree's root
+        n = len(prefix) - 1                           # committed tokens before the root
+        toks = torch.tensor([prefix + tree.tokens.tolist()])
+        mask = torch.ones(n + 5, n + 5, dtype=torch.bool).tril()
+        mask[n:, n:] = tree.ancestor_mask()
+        tpos = torch.cat([torch.arange(n), tree.positions(n)])[None]
+        out = packed(toks, tpos, attn_mask=mask[None]).logits[0]
+        for node, path in ((2, [0, 2]), (3, [0, 2, 3]), (1, [1])):
+            seq = torch.tensor([prefix + tree.tokens[path].tolist()])
+            plain = packed(seq, torch.arange(seq.shape[1])[None]).logits[0, -1]
+            torch.testing.assert_close(out[n + 1 + node], plain, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_weight_formats_are_rejected():
+    with pytest.raises(ValueError, match="unknown weight format 'int3'"):
+        WeightFormat.parse("int3")
+    with pytest.raises(ValueError, match="fp32"):
+        load_model("smollm2-135m", dtype="bfloat16", weights="fp16")
+    with pytest.raises(ValueError, match="fp32 weights"):
+        PackedFP16Linear(nn.Linear(8, 8).to(torch.bfloat16))
+    with pytest.raises(TypeError, match="fp32 activations"):
+        PackedFP16Linear(nn.Linear(8, 8))(torch.randn(2, 8, dtype=torch.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def packed_target():
+    return load_model("smollm2-135m", weights="fp16")
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "eagle3"},
+    {"method": "medusa"},
+], ids=["ngram", "eagle3", "medusa"])
+def test_greedy_on_packed_target_equals_its_vanilla(packed_target, head_prompts, spec):
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    batch = [{"prompt_token_ids": p} for p in head_prompts]
+    want = LLM(loaded=packed_target, max_num_seqs=4).generate(batch, greedy)
+    llm = LLM(loaded=packed_target, max_num_seqs=4, speculative_config=spec)
+    got = llm.generate(batch, greedy)
+    for p, g, w in zip(head_prompts, got, want):
+        assert_same_or_tie(packed_target.model, p, g.token_ids, w.token_ids, f"packed {spec['method']}")
+    assert sum(o.metrics.num_drafts for o in got) > 0
+    drafter = llm._make_drafter(1, 64)
+    head = getattr(drafter, "head", None) or getattr(drafter, "heads", None)
+    if head is not None:                                   # the heads draft with packed kernels too
+        assert any(isinstance(m, PackedFP16Linear) for m in head.modules())
