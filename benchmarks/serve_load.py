@@ -52,7 +52,7 @@ class Server:
         cmd = [sys.executable, "-m", "verispec.serve", "--model", args.model, "--port", str(self.port),
                "--max-num-seqs", str(max(args.levels)), "--max-model-len", str(args.max_model_len),
                "--max-prompt-tokens", str(args.max_model_len), "--num-threads", str(args.num_threads),
-               "--log-level", "warning", *extra]
+               "--weights", args.weights, "--log-level", "warning", *extra]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.num_threads), PYTHONPATH=str(ROOT / "src"))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
@@ -228,7 +228,8 @@ def markdown(report: dict) -> str:
     lines = ["# `verispec serve` under load", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, Python {m['python']}; "
              f"load average at start {[round(x, 2) for x in m['load_average_at_start']]} (shared machine). "
-             f"Server: {s['num_threads']} torch thread(s), max_num_seqs {max(s['levels'])}, "
+             f"Server: {s['num_threads']} torch thread(s), {s.get('weights', 'dense')} weights, "
+             f"max_num_seqs {max(s['levels'])}, "
              f"max_model_len {s['max_model_len']}.",
              f"Workload: Spec-Bench first turns (chat), greedy, max_tokens {s['max_tokens']}, closed loop, "
              f"up to {s['requests_per_level']} requests (>= 1 per user) or {s['level_budget_s']} s per level; "
@@ -267,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-level", type=int, default=8)
     p.add_argument("--level-budget-s", type=float, default=30.0)
     p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--weights", choices=("dense", "fp16"), default="dense",
+                   help="server --weights (fp16: FBGEMM fp16-packed matmul weights)")
     p.add_argument("--questions-per-category", type=int, default=4)
     p.add_argument("--configs", default="baseline,speculative,speculative+policy")
     p.add_argument("--out", default=str(OUT / "serve_load"))

@@ -1,11 +1,14 @@
 """Speculative core benchmark: vanilla vs ``ngram`` vs ``draft_model``, greedy, batch 1.
 
-Part A (SmolLM2-135M): 2 Spec-Bench prompts per category, vanilla / ngram / self-draft.
+Part A (SmolLM2-135M): 2 Spec-Bench prompts per category (26), vanilla / ngram.
 Part B (Qwen2.5-Coder 1.5B target, 0.5B draft): coding prompts (a subset: the 1.5B model runs
-about 2 tokens/s in fp32 on a 2-core CPU), vanilla / draft_model / ngram, acceptance per position.
-Methods run interleaved per prompt in one process; speedup = method tokens/s / vanilla tokens/s.
+2-4 tokens/s on a 2-core CPU), vanilla / draft_model / ngram, acceptance per position.
+Each part runs once per weight format (``--weights``): ``fp16`` (FBGEMM fp16-packed matmul
+weights, the draft model too: a verification forward over a few tokens costs about a one-token
+decode) and ``dense`` (plain fp32). Methods run interleaved per prompt in one process, on one
+loaded target; speedup = method tokens/s / vanilla tokens/s of the same part.
 
-    python benchmarks/spec_core.py [--part a|b|ab] [--max-tokens 128] [--qwen-prompts 4]
+    python benchmarks/spec_core.py [--part ab] [--weights fp16,dense] [--max-tokens 128] [--qwen-prompts 4]
 """
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ import os
 import sys
 import time
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads: shared cores
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from machine import machine_info  # noqa: E402
@@ -75,29 +80,29 @@ def summarize(rows: list[dict], names: list[str]) -> dict:
     return out
 
 
-def part_a(max_tokens: int) -> dict:
-    target = load_model("smollm2-135m")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+
+
+def part_a(max_tokens: int, weights: str) -> dict:
+    target = load_model("smollm2-135m", weights=weights)
     qs = per_category(spec_bench_questions(), 2)
     prompts = [(q["category"], chat_ids(target.tokenizer, q["turns"][0])) for q in qs]
     methods = {"vanilla": LLM(loaded=target, max_num_seqs=1),
-               "ngram": LLM(loaded=target, max_num_seqs=1, speculative_config={
-                   "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}),
-               "self_draft": LLM(loaded=target, max_num_seqs=1, speculative_config={
-                   "method": "draft_model", "model": "self", "self_draft_layers": 8, "num_speculative_tokens": 3})}
-    return {"model": "smollm2-135m", "dtype": "float32", **run(methods, prompts, max_tokens)}
+               "ngram": LLM(loaded=target, max_num_seqs=1, speculative_config=NGRAM)}
+    return {"model": "smollm2-135m", "dtype": "float32", "weights": weights, "configs": {"ngram": NGRAM},
+            **run(methods, prompts, max_tokens)}
 
 
-def part_b(max_tokens: int, n_prompts: int) -> dict:
-    target = load_model("qwen2.5-coder-1.5b")
+def part_b(max_tokens: int, n_prompts: int, weights: str) -> dict:
+    target = load_model("qwen2.5-coder-1.5b", weights=weights)
+    draft = {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}
     qs = [q for q in spec_bench_questions() if q["category"] == "coding"][:n_prompts]
     prompts = [(q["category"], chat_ids(target.tokenizer, q["turns"][0])) for q in qs]
     methods = {"vanilla": LLM(loaded=target, max_num_seqs=1),
-               "draft_model": LLM(loaded=target, max_num_seqs=1, speculative_config={
-                   "method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}),
-               "ngram": LLM(loaded=target, max_num_seqs=1, speculative_config={
-                   "method": "ngram", "num_speculative_tokens": 5})}
-    return {"model": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b", "dtype": "float32",
-            **run(methods, prompts, max_tokens)}
+               "draft_model": LLM(loaded=target, max_num_seqs=1, speculative_config=draft),
+               "ngram": LLM(loaded=target, max_num_seqs=1, speculative_config=NGRAM)}
+    return {"model": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b", "dtype": "float32", "weights": weights,
+            "configs": {"draft_model": draft, "ngram": NGRAM}, **run(methods, prompts, max_tokens)}
 
 
 def write_md(res: dict, path: str) -> None:
@@ -106,7 +111,9 @@ def write_md(res: dict, path: str) -> None:
              f"{res['machine']['threads']} threads. Mean acceptance length tau includes the bonus token.", ""]
     for part in res["parts"]:
         cats = sorted(next(iter(part["per_category"].values())))
-        lines += [f"## {part['model']}" + (f" (draft {part['draft']})" if "draft" in part else ""), "",
+        lines += [f"## {part['model']}" + (f" (draft {part['draft']})" if "draft" in part else "")
+                  + f", {part['weights']} weights", "", "Configs: " + ", ".join(
+                      f"{k} `{json.dumps(v)}`" for k, v in part["configs"].items()), "",
                   "| method | tok/s | speedup | tau | identical to vanilla | " + " | ".join(cats) + " |",
                   "|---|---|---|---|---|" + "---|" * len(cats)]
         for n, o in part["overall"].items():
@@ -126,21 +133,27 @@ def write_md(res: dict, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", default="ab")
+    ap.add_argument("--weights", default="fp16,dense", help="weight formats to run each part with")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--qwen-prompts", type=int, default=4)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec_core"))
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     res = {"machine": machine_info(), "max_tokens": args.max_tokens, "parts": []}
-    if "a" in args.part:
-        res["parts"].append(part_a(args.max_tokens))
-    if "b" in args.part:
-        res["parts"].append(part_b(args.max_tokens, args.qwen_prompts))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json.tmp", "w") as f:
+    for weights in args.weights.split(","):
+        if "a" in args.part:
+            res["parts"].append(part_a(args.max_tokens, weights))
+        if "b" in args.part:
+            res["parts"].append(part_b(args.max_tokens, args.qwen_prompts, weights))
+        write_results(res, args.out)           # after every part: an interrupted run keeps what it did
+
+
+def write_results(res: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".json.tmp", "w") as f:
         json.dump(res, f, indent=1)
-    os.replace(args.out + ".json.tmp", args.out + ".json")
-    write_md(res, args.out + ".md")
+    os.replace(out + ".json.tmp", out + ".json")
+    write_md(res, out + ".md")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,14 @@ def target():
 
 
 @pytest.fixture(scope="session")
+def packed_target():
+    """The same model with fp16-packed matmul weights (``models.packed``): a slightly different
+    target (weights rounded to fp16) whose few-token forwards cost about a one-token forward."""
+    from verispec.models.loading import load_model
+    return load_model("smollm2-135m", dtype="float32", weights="fp16")
+
+
+@pytest.fixture(scope="session")
 def llm(target):
     from verispec import LLM
     return LLM(loaded=target)

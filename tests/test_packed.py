@@ -69,11 +69,6 @@ def test_bad_weight_formats_are_rejected():
         PackedFP16Linear(nn.Linear(8, 8))(torch.randn(2, 8, dtype=torch.bfloat16))
 
 
-@pytest.fixture(scope="module")
-def packed_target():
-    return load_model("smollm2-135m", weights="fp16")
-
-
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "eagle3"},

@@ -13,7 +13,7 @@ from verispec import LLM, SamplingParams
 from verispec.shipped import shipped_head
 
 ROOT = Path(__file__).resolve().parents[1] / "checkpoints"
-METHODS = ("eagle3", "medusa")
+METHODS = ("eagle3", "medusa", "eagle")
 
 
 def test_shipped_heads_fit_the_budget():

@@ -33,6 +33,8 @@ class RequestMetrics:
     num_accepted_tokens: int
     mean_acceptance_length: float          # bonus token included
     acceptance_rate_per_pos: list[float] = field(default_factory=list)
+    draft_time_s: float = 0.0              # in the drafter's propose
+    verify_time_s: float = 0.0             # target forward + acceptance + cache compaction
 
 
 @dataclass
@@ -150,6 +152,7 @@ class LLM:
             time_to_first_token_s=(seq.first_token_time or seq.start_time) - seq.start_time,
             num_steps=st.num_steps, num_drafts=st.num_drafts, num_draft_tokens=st.num_draft_tokens,
             num_accepted_tokens=st.num_accepted_tokens, mean_acceptance_length=st.mean_acceptance_length,
-            acceptance_rate_per_pos=st.acceptance_rate_per_pos)
+            acceptance_rate_per_pos=st.acceptance_rate_per_pos, draft_time_s=st.draft_time_s,
+            verify_time_s=st.verify_time_s)
         return RequestOutput(seq.seq_id, prompt_text, list(seq.prompt_ids), text, list(seq.output_ids),
                              seq.finish_reason or "length", m)
