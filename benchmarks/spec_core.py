@@ -125,6 +125,9 @@ def write_md(res: dict, path: str) -> None:
             if o["acceptance_rate_per_pos"]:
                 lines.append(f"- {n}: " + ", ".join(f"{x:.2f}" for x in o["acceptance_rate_per_pos"]))
         lines.append("")
+    notes = path.removesuffix(".md") + ".analysis.md"       # hand-written reading of the numbers
+    if os.path.exists(notes):
+        lines += ["## Analysis", "", open(notes).read()]
     with open(path + ".tmp", "w") as f:
         f.write("\n".join(lines))
     os.replace(path + ".tmp", path)
@@ -137,7 +140,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--qwen-prompts", type=int, default=4)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec_core"))
+    ap.add_argument("--rerender", action="store_true", help="rewrite the Markdown from the saved JSON")
     args = ap.parse_args()
+    if args.rerender:
+        with open(args.out + ".json") as f:
+            write_md(json.load(f), args.out + ".md")
+        return
     torch.set_num_threads(os.cpu_count() or 1)
     res = {"machine": machine_info(), "max_tokens": args.max_tokens, "parts": []}
     for weights in args.weights.split(","):

@@ -1,6 +1,6 @@
 """fp16-packed weights (``models.packed``): the kernel computes the fp16-rounded model, tree
 verification still matches a causal forward, greedy speculation on the packed target equals
-vanilla greedy on it (n-gram, the shipped EAGLE-3 and Medusa heads, packed too), bad input errors."""
+vanilla greedy on it (n-gram, the shipped EAGLE-3, Medusa and EAGLE-1 heads, packed too), bad input errors."""
 from __future__ import annotations
 
 import copy
@@ -73,7 +73,8 @@ def test_bad_weight_formats_are_rejected():
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "eagle3"},
     {"method": "medusa"},
-], ids=["ngram", "eagle3", "medusa"])
+    {"method": "eagle"},
+], ids=["ngram", "eagle3", "medusa", "eagle"])
 def test_greedy_on_packed_target_equals_its_vanilla(packed_target, head_prompts, spec):
     greedy = SamplingParams(temperature=0, max_tokens=32)
     batch = [{"prompt_token_ids": p} for p in head_prompts]
