@@ -1,6 +1,6 @@
-"""The committed Spec-Bench-style run: ``python benchmarks/spec_bench.py`` (about 45 min on 2 cores).
+"""The committed Spec-Bench-style run: ``python benchmarks/spec_bench.py`` (about 75 min on 2 cores).
 
-Three suites on smollm2-135m (fp32), written together to ``benchmarks/results/spec_bench/``:
+Four suites on smollm2-135m (fp32), written together to ``benchmarks/results/spec_bench/``:
 
 * ``main``: vanilla, ngram, draft_model (self-draft), hf, hf-pld on one question per Spec-Bench
   category (13 questions, the 8 MT-bench ones with both turns), 128 new tokens per turn, batch 1.
@@ -11,6 +11,9 @@ Three suites on smollm2-135m (fp32), written together to ``benchmarks/results/sp
   (HF assisted generation, the assistant the first 7 of 30 target layers with the target's head:
   the same self-draft as ``draft_model``, 4 tokens a step) on the 13 questions of ``main``.
   (The shipped EAGLE-3 and Medusa heads run in ``benchmarks/trained_heads.py``.)
+* ``batch-sweep-fp16``: ``batch-sweep`` with fp16-packed weights (``--weights fp16``; vanilla with
+  the same weights is the baseline) and ngram k=4: where speculation stops paying once a
+  few-token verification forward costs about a one-token one.
 
 ``--suites NAME`` reruns one suite and keeps the others in results.json.
 
@@ -50,6 +53,10 @@ def suites(threads: int) -> list[BenchConfig]:
                     max_tokens=64, batch_sizes=(1, 4, 8), **common),
         BenchConfig(name="eagle-assisted", methods=("vanilla", "eagle", "hf", "hf-assisted"),
                     per_category=1, max_tokens=128, batch_sizes=(1,), **common),
+        BenchConfig(name="batch-sweep-fp16", methods=("vanilla", "ngram"),
+                    method_configs={"ngram": {"method": "ngram", "num_speculative_tokens": 4}},
+                    categories=("translation", "summarization", "qa", "math_reasoning"), per_category=1,
+                    max_tokens=64, batch_sizes=(1, 4, 8), weights="fp16", **common),
     ]
 
 

@@ -27,9 +27,14 @@ def suite_main(argv: list[str] | None, suites: Callable[[int], list[BenchConfig]
         results = load_results(args.out / "results.json")
     else:
         configs = [c for c in suites(args.threads) if not args.suites or c.name in args.suites]
-        loaded = load_model(configs[0].model, dtype=configs[0].dtype, weights=configs[0].weights)
-        results = merge_suites(args.out / "results.json" if args.suites else None,
-                               [run_benchmark(c, loaded=loaded) for c in configs])
+        targets: dict[tuple, object] = {}        # one load per (model, dtype, weights)
+        runs = []
+        for c in configs:
+            key = (c.model, c.dtype, c.weights)
+            if key not in targets:
+                targets[key] = load_model(c.model, dtype=c.dtype, weights=c.weights)
+            runs.append(run_benchmark(c, loaded=targets[key]))
+        results = merge_suites(args.out / "results.json" if args.suites else None, runs)
     files = write_report(args.out, results, notes.read_text() if notes.is_file() else "")
     for r in results:
         print(f"\n{r.name}:\n{headline(r, summarize(r))}")
