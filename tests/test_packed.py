@@ -13,7 +13,7 @@ from torch import nn
 from helpers import assert_same_or_tie, tiny_llama
 from verispec import LLM, SamplingParams
 from verispec.models.loading import load_model
-from verispec.models.packed import PackedFP16Linear, WeightFormat, fp16_packing_available
+from verispec.models.packed import PackedFP16Linear, WeightFormat, fp16_packing_available, shared_reader
 from verispec.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(not fp16_packing_available(), reason="no FBGEMM fp16 kernels here")
@@ -65,6 +65,8 @@ def test_bad_weight_formats_are_rejected():
         load_model("smollm2-135m", dtype="bfloat16", weights="fp16")
     with pytest.raises(ValueError, match="fp32 weights"):
         PackedFP16Linear(nn.Linear(8, 8).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="pack the target first"):
+        shared_reader(torch.zeros(8, 8), PackedFP16Linear(nn.Linear(8, 8)))
     with pytest.raises(TypeError, match="fp32 activations"):
         PackedFP16Linear(nn.Linear(8, 8))(torch.randn(2, 8, dtype=torch.bfloat16))
 
@@ -88,3 +90,5 @@ def test_greedy_on_packed_target_equals_its_vanilla(packed_target, head_prompts,
     head = getattr(drafter, "head", None) or getattr(drafter, "heads", None)
     if head is not None:                                   # the heads draft with packed kernels too
         assert any(isinstance(m, PackedFP16Linear) for m in head.modules())
+        reader = head.__dict__.get("_lm_reader")           # tokens read through the target's LM head:
+        assert reader is None or reader is packed_target.model.lm_head   # its packing, not a copy

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.packed import follows_packed_target
 from ..shipped import with_shipped_head
 from ..spec_config import SpecConfigError, SpeculativeConfig
 from ..tree import DraftTree
@@ -244,7 +245,7 @@ def build_eagle_factory(config: SpeculativeConfig, target, kind: HeadKind):
                                aux_layer_ids=tuple(aux) if aux is not None else None)
     except CheckpointError as e:
         raise SpecConfigError(f"speculative_config 'model': {e}") from e
-    if getattr(target, "weights", None) == "fp16" and next(head.parameters()).dtype == torch.float32:
-        head.pack_fp16_()                 # the head drafts with the target's fp16-packed kernels
+    if follows_packed_target(target, head):
+        head.pack_fp16_(target.model.lm_head)       # draft with the target's fp16-packed kernels
     tree = tree_config(config, DEFAULT_DYNAMIC_TREE)
     return lambda max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len)

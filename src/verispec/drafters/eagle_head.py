@@ -166,8 +166,9 @@ class _HeadBase(nn.Module):
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_tokens)
 
-    def pack_fp16_(self) -> "_HeadBase":
-        """fp16-packed matmuls (``models.packed``), for a head drafting for an fp16-packed target."""
+    def pack_fp16_(self, target_lm_head: nn.Module | None = None) -> "_HeadBase":
+        """fp16-packed matmuls (``models.packed``), for a head drafting for an fp16-packed target
+        (``target_lm_head``: the target's packed LM head, for heads that read tokens through it)."""
         from ..models.packed import pack_linears_fp16_
         self.attn.fuse_()
         self.mlp.fuse_()
@@ -249,10 +250,10 @@ class Eagle1Head(_HeadBase):
         self.mlp = MLP(lc)
         self.register_buffer("target_lm_head", target_lm_head, persistent=False)
 
-    def pack_fp16_(self) -> "Eagle1Head":
-        from ..models.packed import packed_reader
+    def pack_fp16_(self, target_lm_head: nn.Module | None = None) -> "Eagle1Head":
+        from ..models.packed import shared_reader
         super().pack_fp16_()
-        self.__dict__["_lm_reader"] = packed_reader(self.target_lm_head)   # not a submodule: no state
+        self.__dict__["_lm_reader"] = shared_reader(self.target_lm_head, target_lm_head)   # not a submodule
         return self
 
     def _read_tokens(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..sampling import SamplingParams, target_probs
+from ..models.packed import follows_packed_target
 from ..shipped import with_shipped_head
 from ..spec_config import SpecConfigError, SpeculativeConfig
 from ..tree import DraftTree, tree_from_choices
@@ -91,12 +92,13 @@ class MedusaHeads(nn.Module):
             self.lm_heads = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
                                           for _ in range(cfg.num_heads))
 
-    def pack_fp16_(self) -> "MedusaHeads":
-        """fp16-packed matmuls (``models.packed``), for heads drafting for an fp16-packed target."""
-        from ..models.packed import pack_linears_fp16_, packed_reader
+    def pack_fp16_(self, target_lm_head: nn.Module | None = None) -> "MedusaHeads":
+        """fp16-packed matmuls (``models.packed``), for heads drafting for an fp16-packed target
+        (``target_lm_head``: the target's packed LM head, which tied heads read through)."""
+        from ..models.packed import pack_linears_fp16_, shared_reader
         pack_linears_fp16_(self)
         if self.lm_heads is None:
-            self.__dict__["_lm_reader"] = packed_reader(self.target_lm_head)   # not a submodule
+            self.__dict__["_lm_reader"] = shared_reader(self.target_lm_head, target_lm_head)   # not a submodule
         return self
 
     def head_states(self, f: torch.Tensor) -> torch.Tensor:
@@ -256,8 +258,8 @@ def build_medusa_factory(config: SpeculativeConfig, target):
         heads = load_medusa_heads(config.model, target.model)
     except CheckpointError as e:
         raise SpecConfigError(f"speculative_config 'model': {e}") from e
-    if getattr(target, "weights", None) == "fp16" and next(heads.parameters()).dtype == torch.float32:
-        heads.pack_fp16_()                # the heads draft with the target's fp16-packed kernels
+    if follows_packed_target(target, heads):
+        heads.pack_fp16_(target.model.lm_head)      # draft with the target's fp16-packed kernels
     tree = medusa_tree(config, heads.cfg.num_heads)
     typical = typical_config(config)
     return lambda max_batch, max_len: MedusaDrafter(heads, tree, typical=typical)

@@ -100,10 +100,17 @@ def pack_linears_fp16_(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
     return pack_fp16_(module, names)
 
 
-def packed_reader(weight: torch.Tensor) -> PackedFP16Linear:
-    """A packed ``x @ weight.T`` over a weight another module owns (a head that reads tokens
-    through the target's LM head). The weight is rounded in place like every packed weight, so
-    call it only with a weight of an fp16-packed target (already rounded: a no-op)."""
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    lin.weight = nn.Parameter(weight, requires_grad=False)
-    return PackedFP16Linear(lin)
+def follows_packed_target(target, module: nn.Module) -> bool:
+    """Whether a draft ``module`` (EAGLE / Medusa head) drafting for the loaded ``target`` should
+    be packed too: the target is fp16-packed and the module computes in fp32."""
+    return target.weights == WeightFormat.FP16 and next(module.parameters()).dtype == torch.float32
+
+
+def shared_reader(weight: torch.Tensor, owner: nn.Module) -> PackedFP16Linear:
+    """The target's packed module ``owner`` as the reader of ``weight`` (a head that reads tokens
+    through the target's LM head): it is already rounded and packed, so nothing is packed twice.
+    Raises unless ``owner`` is packed over the very storage of ``weight``."""
+    if not (isinstance(owner, PackedFP16Linear) and owner.weight.shape == weight.shape
+            and owner.weight.data_ptr() == weight.data_ptr()):
+        raise ValueError("the head's LM-head weight is not the packed target's: pack the target first")
+    return owner
