@@ -2,7 +2,8 @@
 
 Part A (SmolLM2-135M): 2 Spec-Bench prompts per category (26), vanilla / ngram.
 Part B (Qwen2.5-Coder 1.5B target, 0.5B draft): coding prompts (a subset: the 1.5B model runs
-2-4 tokens/s on a 2-core CPU), vanilla / draft_model / ngram, acceptance per position.
+2-4 tokens/s on a 2-core CPU), vanilla / draft_model / draft_model with the shipped 64k reduced
+draft vocabulary / ngram, acceptance per position.
 Each part runs once per weight format (``--weights``): ``fp16`` (FBGEMM fp16-packed matmul
 weights, the draft model too: a verification forward over a few tokens costs about a one-token
 decode) and ``dense`` (plain fp32). Methods run interleaved per prompt in one process, on one
@@ -81,6 +82,7 @@ def summarize(rows: list[dict], names: list[str]) -> dict:
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+QWEN_DRAFT_VOCAB = "qwen2.5-coder-draft-vocab-64k/draft_vocab.safetensors"    # shipped, see checkpoints/
 
 
 def part_a(max_tokens: int, weights: str) -> dict:
@@ -96,13 +98,16 @@ def part_a(max_tokens: int, weights: str) -> dict:
 def part_b(max_tokens: int, n_prompts: int, weights: str) -> dict:
     target = load_model("qwen2.5-coder-1.5b", weights=weights)
     draft = {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}
+    draft_v64k = dict(draft, draft_vocab=QWEN_DRAFT_VOCAB)
     qs = [q for q in spec_bench_questions() if q["category"] == "coding"][:n_prompts]
     prompts = [(q["category"], chat_ids(target.tokenizer, q["turns"][0])) for q in qs]
     methods = {"vanilla": LLM(loaded=target, max_num_seqs=1),
                "draft_model": LLM(loaded=target, max_num_seqs=1, speculative_config=draft),
+               "draft_model_v64k": LLM(loaded=target, max_num_seqs=1, speculative_config=draft_v64k),
                "ngram": LLM(loaded=target, max_num_seqs=1, speculative_config=NGRAM)}
     return {"model": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b", "dtype": "float32", "weights": weights,
-            "configs": {"draft_model": draft, "ngram": NGRAM}, **run(methods, prompts, max_tokens)}
+            "configs": {"draft_model": draft, "draft_model_v64k": draft_v64k, "ngram": NGRAM},
+            **run(methods, prompts, max_tokens)}
 
 
 def write_md(res: dict, path: str) -> None:
@@ -112,7 +117,8 @@ def write_md(res: dict, path: str) -> None:
     for part in res["parts"]:
         cats = sorted(next(iter(part["per_category"].values())))
         lines += [f"## {part['model']}" + (f" (draft {part['draft']})" if "draft" in part else "")
-                  + f", {part['weights']} weights", "", "Configs: " + ", ".join(
+                  + f", {part['weights']} weights", "", (f"Measured {part['measured_at']}. " if "measured_at" in part
+                                                         else "") + "Configs: " + ", ".join(
                       f"{k} `{json.dumps(v)}`" for k, v in part["configs"].items()), "",
                   "| method | tok/s | speedup | tau | identical to vanilla | " + " | ".join(cats) + " |",
                   "|---|---|---|---|---|" + "---|" * len(cats)]
@@ -148,12 +154,25 @@ def main() -> None:
         return
     torch.set_num_threads(os.cpu_count() or 1)
     res = {"machine": machine_info(), "max_tokens": args.max_tokens, "parts": []}
+    if os.path.exists(args.out + ".json"):     # parts not rerun now are kept (same machine and settings)
+        with open(args.out + ".json") as f:
+            old = json.load(f)
+        if old.get("max_tokens") == args.max_tokens:
+            res["parts"] = old["parts"]
     for weights in args.weights.split(","):
         if "a" in args.part:
-            res["parts"].append(part_a(args.max_tokens, weights))
+            merge_part(res, part_a(args.max_tokens, weights))
         if "b" in args.part:
-            res["parts"].append(part_b(args.max_tokens, args.qwen_prompts, weights))
+            merge_part(res, part_b(args.max_tokens, args.qwen_prompts, weights))
         write_results(res, args.out)           # after every part: an interrupted run keeps what it did
+
+
+def merge_part(res: dict, part: dict) -> None:
+    """Replace the part of the same model and weights (a rerun), else append; keep a stable order."""
+    part["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    key = (part["model"], part["weights"])
+    parts = [p for p in res["parts"] if (p["model"], p["weights"]) != key] + [part]
+    res["parts"] = sorted(parts, key=lambda p: (p["weights"] != "fp16", p["model"] != "smollm2-135m"))
 
 
 def write_results(res: dict, out: str) -> None:

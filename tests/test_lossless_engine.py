@@ -79,16 +79,20 @@ def _exact_tiny(model, prompt, params, length=3) -> dict:
     return out
 
 
-@pytest.mark.parametrize("tree,temperature,top_p", [
-    (None, 1.0, 1.0),
-    ([[0], [1], [0, 0], [1, 0], [0, 0, 0]], 0.7, 0.9),
+@pytest.mark.parametrize("tree,temperature,top_p,draft_ids", [
+    (None, 1.0, 1.0, None),
+    ([[0], [1], [0, 0], [1, 0], [0, 0, 0]], 0.7, 0.9, None),
+    ([[0], [1], [0, 0], [1, 0]], 1.0, 1.0, [0, 2, 3, 5, 6]),     # reduced draft vocabulary: q = 0 elsewhere
 ])
-def test_engine_is_lossless_with_tiny_models(tree, temperature, top_p, single_thread):
+def test_engine_is_lossless_with_tiny_models(tree, temperature, top_p, draft_ids, single_thread):
+    from verispec.draft_vocab import DraftVocab
     target, draft = _tiny(0), _tiny(0, noise=0.3)
     prompt = [1, 2, 3, 1, 2]
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=5, ignore_eos=True)
     n, batch = 3000, 500
-    drafter = DraftModelDrafter(draft, max_batch=batch, max_len=16, num_speculative_tokens=2, tree=tree)
+    vocab = DraftVocab.from_ids(torch.tensor(draft_ids), 8) if draft_ids else None
+    drafter = DraftModelDrafter(draft, max_batch=batch, max_len=16, num_speculative_tokens=2, tree=tree,
+                                vocab=vocab)
     engine = Engine(target, drafter, max_batch=batch, max_len=16 + drafter.max_tree_nodes + 2)
     seqs = [Sequence(prompt_ids=prompt, params=SamplingParams(**{**vars(params), "seed": i})) for i in range(n)]
     with torch.no_grad():

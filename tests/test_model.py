@@ -51,13 +51,13 @@ def test_cached_decoding_equals_full_forward(target, long_prompts):
 
 
 def test_greedy_matches_hf_generate(target, hf_model, chat_prompts):
-    prompts = chat_prompts[::2][:10]
-    llm = LLM(loaded=target, max_num_seqs=10)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=64))
+    prompts = chat_prompts[::3][:6]
+    llm = LLM(loaded=target, max_num_seqs=6)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=48))
     eos = set(llm.eos_token_ids)
     for p, o in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False,
+            ref = hf_model.generate(torch.tensor([p]), max_new_tokens=48, do_sample=False,
                                     attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
         ref = ref[:next((i for i, t in enumerate(ref) if t in eos), len(ref))]
         assert_same_or_tie(target.model, p, o.token_ids, ref, "verispec vs HF generate")

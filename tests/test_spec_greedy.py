@@ -3,10 +3,14 @@
 Drafters: n-gram, a self-draft model (first layers of the target), an oracle (always right) and an
 adversarial drafter (never right), with chains and trees, batch 1 and 4. Any mismatch must be a
 numerical tie (target top-2 logit margin < 1e-4) and is printed, never silently allowed.
-The default run covers 20 prompts x 96 tokens at batch 4 (8 for the tree self-draft) and 3 prompts
-at batch 1; the slow marker runs all 20 prompts at batch 1 and the tree self-draft on all 20.
-Batch 4 runs on the fp16-packed target (``models.packed``: the engine logic under test is the same,
-its tree forwards cost about a one-token forward), batch 1 on the plain fp32 target: both count.
+The default run covers 96 tokens at batch 4 on 20 prompts for the oracle drafters, 12 for the n-gram
+tree, 8 for the self-draft and the adversarial drafter, 4 for the tree self-draft (their steps are
+full tree forwards over 4 rows), and 3
+prompts at batch 1; the slow marker (``make test-slow``) runs every drafter on all 20 prompts at
+batch 1 and batch 4.
+The default run uses the fp16-packed target (``models.packed``: the engine logic under test is the
+same, its tree forwards cost about a one-token forward); the slow run checks batch 1 on the plain
+fp32 target too.
 """
 from __future__ import annotations
 
@@ -78,7 +82,13 @@ def _reference(model, prompts):
 
 
 @pytest.fixture(scope="module")
-def reference(target, prompts):
+def batch1_prompts(prompts):
+    return prompts[::7][:3]
+
+
+@pytest.fixture(scope="module")
+def reference_all(target, prompts):
+    """Vanilla greedy on the fp32 target (slow run)."""
     return _reference(target, prompts)
 
 
@@ -118,9 +128,9 @@ def _check(target, kind, prompts, reference, batch):
 
 
 KINDS = ["ngram", "self_draft", "self_draft_tree", "oracle", "oracle_tree", "adversarial"]
-# Default run: every drafter at batch 4 (20 prompts; the tree self-draft on 8), batch 1 on 3
-# prompts. The slow marker runs the rest: all 20 prompts at batch 1 and the tree self-draft on 20.
-DEFAULT_PROMPTS_B4 = {"self_draft_tree": 8}
+# Default run: every drafter at batch 4 (20 prompts; the self-drafts and the adversarial drafter on
+# 8), batch 1 on 3 prompts. The slow marker runs the rest: every drafter on all 20 at both batches.
+DEFAULT_PROMPTS_B4 = {"ngram": 12, "self_draft": 8, "self_draft_tree": 4, "adversarial": 8}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -134,16 +144,17 @@ def test_greedy_equal_batch4(packed_target, prompts, packed_reference, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_equal_batch1(target, prompts, reference, kind):
-    _check(target, kind, prompts[::7][:3], reference, 1)
+def test_greedy_equal_batch1(packed_target, batch1_prompts, packed_reference, kind):
+    _check(packed_target, kind, batch1_prompts, packed_reference, 1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_equal_batch1_all_prompts(target, prompts, reference, kind):
-    _check(target, kind, prompts, reference, 1)
+def test_greedy_equal_batch1_all_prompts(target, prompts, reference_all, kind):
+    _check(target, kind, prompts, reference_all, 1)
 
 
 @pytest.mark.slow
-def test_greedy_equal_tree_self_draft_all_prompts(packed_target, prompts, packed_reference):
-    _check(packed_target, "self_draft_tree", prompts, packed_reference, 4)
+@pytest.mark.parametrize("kind", sorted(DEFAULT_PROMPTS_B4))
+def test_greedy_equal_batch4_all_prompts(packed_target, prompts, packed_reference, kind):
+    _check(packed_target, kind, prompts, packed_reference, 4)

@@ -35,6 +35,7 @@ class SpeculativeConfig:
     depth: int | None = None
     num_draft_tokens: int | None = None
     draft_dtype: str | None = None
+    draft_vocab: str | None = None           # draft_model: reduced draft vocabulary file (d2t / t2d)
     # EAGLE / Medusa keys (validated by their drafter builders, see drafters/eagle.py, medusa.py)
     eagle_aux_hidden_state_layer_ids: tuple[int, ...] | None = None   # EAGLE-3 override, vLLM ids
     rank_by: str | None = None               # dynamic tree: "path" (EAGLE-2) | "confidence" (ablation)
@@ -87,6 +88,9 @@ class SpeculativeConfig:
             raise SpecConfigError("method 'draft_model' needs 'model' (a model name or path, or 'self')")
         if self.model == "self" and self.self_draft_layers is None:
             raise SpecConfigError("model 'self' (self-draft) needs 'self_draft_layers'")
+        if self.draft_vocab is not None and self.method is not SpecMethod.DRAFT_MODEL:
+            raise SpecConfigError("'draft_vocab' applies to method 'draft_model' (EAGLE-3 heads carry "
+                                  "their own d2t)")
         dynamic = [k for k in ("topk", "depth", "num_draft_tokens") if getattr(self, k) is not None]
         if dynamic and self.tree is not None:
             raise SpecConfigError(f"give either a static 'tree' or dynamic-tree keys {dynamic}, not both")

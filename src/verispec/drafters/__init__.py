@@ -42,8 +42,25 @@ def _draft_model(config: SpeculativeConfig, target) -> DrafterFactory:
     model = _load_draft_model(config, target)
     k = config.num_speculative_tokens or 4
     tree = [list(c) for c in config.tree] if config.tree else None
+    vocab = None
+    if config.draft_vocab is not None:
+        from ..draft_vocab import load_draft_vocab
+        try:
+            vocab = load_draft_vocab(resolve_shipped_path(config.draft_vocab), target.config.vocab_size)
+        except ValueError as e:
+            raise SpecConfigError(f"speculative_config 'draft_vocab': {e}") from None
     return lambda max_batch, max_len: DraftModelDrafter(model, max_batch=max_batch, max_len=max_len,
-                                                        num_speculative_tokens=k, tree=tree)
+                                                        num_speculative_tokens=k, tree=tree, vocab=vocab)
+
+
+def resolve_shipped_path(path: str):
+    """A path as given, or else the first checkpoint root (``shipped``) that holds it."""
+    from pathlib import Path
+    from ..shipped import checkpoint_roots
+    p = Path(path)
+    if p.exists() or p.is_absolute():
+        return p
+    return next((root / p for root in checkpoint_roots() if (root / p).exists()), p)
 
 
 def _load_draft_model(config: SpeculativeConfig, target):

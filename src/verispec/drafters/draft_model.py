@@ -9,12 +9,21 @@ in one ragged batched forward. Then it drafts
 Greedy requests get deterministic drafts (argmax / top-k, q = None). Sampled requests draw from
 the draft distribution processed like the target's, siblings without replacement, and report
 the exact distribution each node was drawn from as ``q``.
+
+With a reduced draft vocabulary (``vocab``) the draft model's LM head keeps only those rows: its
+logits are spread back over the full vocabulary with -inf elsewhere, so tokens outside it get
+draft probability 0 and every ``q`` stays a distribution over the target's vocabulary.
 """
 from __future__ import annotations
 
-import torch
+import copy
 
+import torch
+from torch import nn
+
+from ..draft_vocab import DraftVocab
 from ..models.kv_cache import KVCache
+from ..models.packed import PackedFP16Linear
 from ..models.transformer import Transformer
 from ..sampling import target_probs
 from ..tree import DraftTree, validate_choices
@@ -26,10 +35,12 @@ class DraftModelDrafter:
     needs_last_hidden = False
 
     def __init__(self, model: Transformer, *, max_batch: int, max_len: int, num_speculative_tokens: int = 4,
-                 tree: list | None = None):
+                 tree: list | None = None, vocab: DraftVocab | None = None):
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
-        self.model = model
+        self.vocab_size = model.cfg.vocab_size
+        self.draft_ids = None if vocab is None else vocab.draft_ids
+        self.model = model if vocab is None else with_vocab_head(model, vocab)
         self.k = num_speculative_tokens
         self.choices = validate_choices(tree) if tree else None
         self.max_tree_nodes = len(self.choices) if self.choices else self.k
@@ -89,11 +100,20 @@ class DraftModelDrafter:
             tokens[i, :len(f)] = torch.tensor(f)
         positions = self.cache.lengths[rows][:, None] + torch.arange(t)
         last = torch.tensor([[len(f) - 1] for f in feeds])
-        out = self.model(tokens, positions, self.cache, rows=rows, logits_index=last)
+        out = self._logits(tokens, positions, rows=rows, logits_index=last)
         for r, f in zip(requests, feeds):
             self.cache.advance(torch.tensor([r.row]), len(f))
             self.cached[r.row].extend(f)
-        return out.logits[:, 0]
+        return out[:, 0]
+
+    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, **kw) -> torch.Tensor:
+        """Draft forward on the draft cache; logits over the full target vocabulary."""
+        logits = self.model(tokens, positions, self.cache, **kw).logits
+        if self.draft_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.draft_ids] = logits
+        return full
 
     def _pick(self, logits: torch.Tensor, r: DraftRequest) -> tuple[int, torch.Tensor | None]:
         if r.params.greedy:
@@ -118,7 +138,7 @@ class DraftModelDrafter:
                 break
             feed = torch.tensor([[t[-1]] for t in toks])
             pos = self.cache.lengths[rows][:, None].clone()
-            logits = self.model(feed, pos, self.cache, rows=rows).logits[:, 0]
+            logits = self._logits(feed, pos, rows=rows)[:, 0]
             self.cache.advance(rows, 1)
             for i, r in enumerate(requests):
                 self.cached[r.row].append(toks[i][-1])
@@ -159,7 +179,7 @@ class DraftModelDrafter:
                 tokens[b, :n] = partial.tokens
                 positions[b, :n] = base[b] + partial.depth - 1
                 mask[b, :n, :n] = partial.ancestor_mask()[1:, 1:]
-        return self.model(tokens, positions, self.cache, attn_mask=mask, rows=rows).logits
+        return self._logits(tokens, positions, attn_mask=mask, rows=rows)
 
     def _ranked(self, logits: torch.Tensor, r: DraftRequest) -> tuple[list[int], list]:
         """Candidates by rank: top-k (greedy) or draws without replacement with their q."""
@@ -203,6 +223,22 @@ class _TreeState:
     def tree(self, greedy: bool) -> DraftTree:
         q = None if greedy or not self.qs else torch.stack(self.qs)
         return DraftTree(torch.tensor(self.toks, dtype=torch.long), torch.tensor(self.pars, dtype=torch.long), q)
+
+
+def with_vocab_head(model: Transformer, vocab: DraftVocab) -> Transformer:
+    """``model`` sharing every module but an LM head cut to ``vocab``'s rows (packed like the
+    original head). The original model is left as it is."""
+    v = model.cfg.vocab_size
+    if vocab.t2d.numel() != v:
+        raise ValueError(f"draft vocabulary is made for {vocab.t2d.numel()} tokens, the draft model has {v}")
+    head = model.lm_head
+    rows = head.weight.detach()[vocab.draft_ids].clone()
+    small = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")    # no wasted init
+    small.weight = nn.Parameter(rows, requires_grad=False)
+    new = copy.copy(model)
+    new._modules = dict(model._modules)       # a shallow copy must not share the module table
+    new.lm_head = PackedFP16Linear(small) if isinstance(head, PackedFP16Linear) else small.to(rows.dtype)
+    return new
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

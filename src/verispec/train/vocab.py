@@ -1,4 +1,4 @@
-"""Reduced draft vocabulary (EAGLE-3 / SpecForge ``d2t`` / ``t2d``).
+"""Building a reduced draft vocabulary from training data (``DraftVocab``: ``verispec.draft_vocab``).
 
 The draft head predicts over the ``D`` target tokens most frequent among the training targets
 (assistant tokens under the loss mask). Maps, as the checkpoints store them:
@@ -8,36 +8,11 @@ Draft ids are the chosen target ids in increasing order, so the map is monotone 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
-
-@dataclass(frozen=True)
-class DraftVocab:
-    d2t: torch.Tensor           # [D] int64 offsets
-    t2d: torch.Tensor           # [V] bool
-
-    @property
-    def size(self) -> int:
-        return self.d2t.numel()
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """[D] target ids of the draft vocabulary, increasing."""
-        return torch.arange(self.size) + self.d2t
-
-    def target_to_draft(self) -> torch.Tensor:
-        """[V] int64: draft id of each target id, -1 outside the draft vocabulary."""
-        out = torch.full(self.t2d.shape, -1, dtype=torch.long)
-        out[self.draft_ids] = torch.arange(self.size)
-        return out
-
-    def coverage(self, counts: torch.Tensor) -> float:
-        """Share of counted target tokens that the draft vocabulary contains."""
-        total = float(counts.sum())
-        return float(counts[self.t2d].sum()) / total if total else 0.0
+from ..draft_vocab import DraftVocab
 
 
 def token_counts(sequences: Iterable[tuple[Iterable[int], Iterable[int]]], vocab_size: int) -> torch.Tensor:

@@ -1,0 +1,105 @@
+"""Reduced draft vocabulary (EAGLE-3 / SpecForge ``d2t`` / ``t2d``), shared by trained heads and by
+draft models that predict over a subset of the target's tokens.
+
+A drafter whose LM head keeps only the ``D`` most frequent target tokens reads a fraction of the
+head's bytes per token; tokens outside the subset are never proposed (their draft probability is
+0), so verification stays exactly lossless and only acceptance can drop, by at most the share of
+target tokens the subset misses (``coverage``).
+
+Maps, as the checkpoints store them:
+- ``d2t [D]`` int64 offsets: target id = draft id + d2t[draft id];
+- ``t2d [V]`` bool: which target ids are in the draft vocabulary.
+Draft ids are the chosen target ids in increasing order, so the map is monotone and stable.
+A standalone vocabulary file (``save_draft_vocab``) is a safetensors file holding both maps.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    d2t: torch.Tensor           # [D] int64 offsets
+    t2d: torch.Tensor           # [V] bool
+
+    @property
+    def size(self) -> int:
+        return self.d2t.numel()
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """[D] target ids of the draft vocabulary, increasing."""
+        return torch.arange(self.size) + self.d2t
+
+    def target_to_draft(self) -> torch.Tensor:
+        """[V] int64: draft id of each target id, -1 outside the draft vocabulary."""
+        out = torch.full(self.t2d.shape, -1, dtype=torch.long)
+        out[self.draft_ids] = torch.arange(self.size)
+        return out
+
+    def coverage(self, counts: torch.Tensor) -> float:
+        """Share of counted target tokens that the draft vocabulary contains."""
+        total = float(counts.sum())
+        return float(counts[self.t2d].sum()) / total if total else 0.0
+
+    @classmethod
+    def from_ids(cls, ids: torch.Tensor, vocab_size: int) -> "DraftVocab":
+        """From target ids (any order); raises on repeats or ids outside ``0..vocab_size-1``."""
+        ids = torch.as_tensor(ids).long().flatten().sort().values
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+            raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1} and not be empty")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("draft vocabulary ids repeat")
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        return cls(d2t=ids - torch.arange(ids.numel()), t2d=t2d)
+
+
+def save_draft_vocab(vocab: DraftVocab, path: str | Path, info: dict | None = None) -> Path:
+    """Write ``d2t`` and ``t2d`` to a safetensors file; ``info`` (JSON-able) goes in its metadata."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "verispec-draft-vocab", "vocab_size": str(vocab.t2d.numel()),
+            "draft_vocab_size": str(vocab.size), "info": json.dumps(info or {})}
+    save_file({"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}, str(path), metadata=meta)
+    return path
+
+
+def load_draft_vocab(path: str | Path, vocab_size: int) -> DraftVocab:
+    """Read a file written by ``save_draft_vocab`` (or any safetensors file with ``d2t``, as EAGLE-3
+    checkpoints store it) for a target of ``vocab_size`` tokens. Every defect is a ``ValueError``
+    naming the file: missing, unreadable, no ``d2t``, ids out of range or repeated, ``t2d`` that
+    disagrees, or a vocabulary made for another vocabulary size."""
+    from safetensors import safe_open
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"draft vocabulary file {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+            if "d2t" not in names:
+                raise ValueError(f"draft vocabulary file {path} has no 'd2t' tensor (has {sorted(names)})")
+            d2t = f.get_tensor("d2t")
+            t2d = f.get_tensor("t2d") if "t2d" in names else None
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"draft vocabulary file {path} is not a readable safetensors file: {e}") from e
+    if d2t.dim() != 1 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise ValueError(f"{path}: d2t must be a 1-D integer tensor, got {d2t.dtype} {tuple(d2t.shape)}")
+    if t2d is not None and t2d.numel() != vocab_size:
+        raise ValueError(f"{path}: made for a vocabulary of {t2d.numel()} tokens, the target has {vocab_size}")
+    try:
+        vocab = DraftVocab.from_ids(torch.arange(d2t.numel()) + d2t.long(), vocab_size)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if not torch.equal(vocab.d2t, d2t.long()):
+        raise ValueError(f"{path}: d2t does not list increasing target ids")
+    if t2d is not None and not torch.equal(t2d.bool(), vocab.t2d):
+        raise ValueError(f"{path}: t2d does not mark exactly the ids d2t maps to")
+    return vocab
