@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup demo test test-slow bench-vanilla bench-spec-core bench-heads qwen clean sharegpt regen train-eagle3 train-medusa ship-heads
+.PHONY: setup demo test test-slow bench-vanilla bench-spec-core bench-heads qwen draft-vocab-qwen clean sharegpt regen train-eagle3 train-medusa ship-heads
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,11 @@ bench-vanilla: $(STAMP)
 
 bench-spec-core: qwen
 	$(BIN)/python benchmarks/spec_core.py
+
+# The shipped reduced draft vocabulary for the Qwen2.5 tokenizer (card in its folder).
+draft-vocab-qwen: qwen
+	$(BIN)/verispec data draft-vocab --model qwen2.5-coder-1.5b --size 65536 --limit 8000 \
+		--out checkpoints/qwen2.5-coder-draft-vocab-64k/draft_vocab.safetensors
 
 # --- Training the shipped heads (checkpoints/smollm2-135m-{eagle3,medusa}); see their README.md cards.
 SHAREGPT = $$($(BIN)/python -c 'from verispec.train.data import sharegpt_wheel_file as f; print(f())')
