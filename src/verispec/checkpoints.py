@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .draft_vocab import DraftVocab
 from .drafters.eagle_head import Eagle1Head, Eagle3Head, EagleHead, EagleHeadConfig, HeadKind
 from .drafters.medusa import MedusaConfig, MedusaHeads
 
@@ -240,11 +241,10 @@ def _check_vocab_maps(state: dict, cfg: EagleHeadConfig) -> None:
     if tuple(d2t.shape) != (cfg.draft_vocab_size,) or d2t.dtype.is_floating_point:
         raise CheckpointError(f"d2t must be an integer tensor [{cfg.draft_vocab_size}] (draft_vocab_size), "
                               f"got {d2t.dtype} {tuple(d2t.shape)}")
-    ids = torch.arange(cfg.draft_vocab_size) + d2t.long()
-    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or ids.unique().numel() != ids.numel():
-        raise CheckpointError("d2t maps draft ids outside the target vocabulary or onto repeated ids")
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
+    try:
+        t2d = DraftVocab.from_ids(torch.arange(cfg.draft_vocab_size) + d2t.long(), cfg.vocab_size).t2d
+    except ValueError:
+        raise CheckpointError("d2t maps draft ids outside the target vocabulary or onto repeated ids") from None
     if "t2d" in state:
         given = state["t2d"]
         if tuple(given.shape) != (cfg.vocab_size,) or not torch.equal(given.bool(), t2d):

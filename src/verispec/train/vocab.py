@@ -40,7 +40,4 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int,
     order = sorted(range(v), key=lambda i: (-int(counts[i]), i))
     fixed = set(always)
     picked = [i for i in order if i not in fixed][: draft_vocab_size - len(always)] + always
-    ids = torch.tensor(sorted(picked), dtype=torch.long)
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[ids] = True
-    return DraftVocab(d2t=ids - torch.arange(draft_vocab_size), t2d=t2d)
+    return DraftVocab.from_ids(torch.tensor(picked, dtype=torch.long), v)
