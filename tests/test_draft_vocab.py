@@ -63,6 +63,8 @@ def test_cut_head_equals_full_head_rows():
     x, pos = torch.tensor([[1, 5, 9, 2]]), torch.arange(4)[None]
     assert torch.allclose(cut(x, pos).logits, model(x, pos).logits[..., IDS], atol=1e-6)
     assert model.lm_head.weight.shape[0] == 32          # the original model is untouched
+    with pytest.raises(ValueError, match="must have that many rows"):
+        DraftModelDrafter(model, max_batch=1, max_len=16, vocab=vocab)    # an uncut head is refused
     with pytest.raises(ValueError, match="made for 16 tokens"):
         with_vocab_head(model, DraftVocab.from_ids(torch.tensor([1, 2]), 16))
 
@@ -71,7 +73,8 @@ def test_proposals_stay_in_the_vocabulary_and_q_is_zero_outside():
     draft = tiny_llama(32, 32, 2, seed=1)
     vocab = DraftVocab.from_ids(torch.tensor(IDS), 32)
     for tree in (None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]):
-        d = DraftModelDrafter(draft, max_batch=2, max_len=32, num_speculative_tokens=4, tree=tree, vocab=vocab)
+        d = DraftModelDrafter(with_vocab_head(draft, vocab), max_batch=2, max_len=32, num_speculative_tokens=4,
+                              tree=tree, vocab=vocab)
         for greedy in (True, False):
             params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=8)
             g = torch.Generator().manual_seed(0)
@@ -98,7 +101,8 @@ def test_greedy_with_reduced_vocab_equals_vanilla():
         engine.run(seqs)
         return [s.output_ids for s in seqs], engine.stats
     vanilla, _ = run(None)
-    spec, stats = run(DraftModelDrafter(draft, max_batch=3, max_len=64, num_speculative_tokens=3, vocab=vocab))
+    spec, stats = run(DraftModelDrafter(with_vocab_head(draft, vocab), max_batch=3, max_len=64,
+                                        num_speculative_tokens=3, vocab=vocab))
     assert spec == vanilla
     assert stats.num_accepted_tokens > 0           # the cut head still drafts the target's tokens
 

@@ -16,7 +16,7 @@ import torch
 from scipy.stats import chisquare
 
 from helpers import accept_first_children
-from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.drafters.draft_model import DraftModelDrafter, with_vocab_head
 from verispec.drafters.ngram import NgramDrafter
 from verispec.engine import Engine, Sequence
 from verispec.models.config import ModelConfig
@@ -91,6 +91,8 @@ def test_engine_is_lossless_with_tiny_models(tree, temperature, top_p, draft_ids
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=5, ignore_eos=True)
     n, batch = 3000, 500
     vocab = DraftVocab.from_ids(torch.tensor(draft_ids), 8) if draft_ids else None
+    if vocab is not None:
+        draft = with_vocab_head(draft, vocab)
     drafter = DraftModelDrafter(draft, max_batch=batch, max_len=16, num_speculative_tokens=2, tree=tree,
                                 vocab=vocab)
     engine = Engine(target, drafter, max_batch=batch, max_len=16 + drafter.max_tree_nodes + 2)

@@ -22,6 +22,15 @@ def checkpoint_roots() -> list[Path]:
     return list(dict.fromkeys(p.resolve() for p in roots))
 
 
+def in_checkpoints(path: str | Path) -> Path:
+    """``path`` as given when it exists or is absolute, else under the first checkpoint root that
+    holds it (e.g. a shipped draft vocabulary named relative to ``checkpoints/``)."""
+    p = Path(path)
+    if p.exists() or p.is_absolute():
+        return p
+    return next((root / p for root in checkpoint_roots() if (root / p).exists()), p)
+
+
 def shipped_head(model_name: str, method: str) -> Path | None:
     """The shipped head folder for ``model_name`` and ``method`` (``eagle3``, ``medusa``, ...)."""
     name = f"{model_stem(model_name)}-{method}"

@@ -35,30 +35,20 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_vocab_size(src) -> int:
-    """The model's vocabulary (embedding rows; may exceed the tokenizer's length) without its weights."""
-    if src.format == "gguf":
-        from gguf import GGUFReader
-        from ..models.gguf_loader import config_from_gguf
-        return config_from_gguf(GGUFReader(str(src.path))).vocab_size
-    return int(json.loads((src.path / "config.json").read_text())["vocab_size"])
-
-
 def cmd_draft_vocab(args: argparse.Namespace) -> int:
     """Count assistant tokens of the training split, keep the ``--size`` most frequent (plus every
     special token), report coverage on the held-out split, write a draft-vocabulary file."""
     import shlex
 
     from ..draft_vocab import save_draft_vocab
-    from ..models.loading import load_tokenizer
+    from ..models.loading import load_tokenizer, read_config
     from ..models.sources import resolve_model
     from ..train.common import load_many
-    from ..train.data import split_ids, tokenize_all
+    from ..train.data import sharegpt_wheel_file, split_ids, tokenize_all
     from ..train.vocab import build_draft_vocab, token_counts
     src = resolve_model(args.model)
     tok = load_tokenizer(src.path, src.format)
-    vocab_size = _model_vocab_size(src)
-    from ..train.data import sharegpt_wheel_file
+    vocab_size = read_config(src.path, src.format).vocab_size     # embedding rows, may exceed len(tok)
     convs, report = load_many(args.data or [str(sharegpt_wheel_file())], args.limit)
     train_c, held_c = split_ids(convs, args.heldout_fraction, args.split_seed)
 

@@ -38,29 +38,22 @@ def _ngram(config: SpeculativeConfig, target) -> DrafterFactory:
 
 @register(SpecMethod.DRAFT_MODEL)
 def _draft_model(config: SpeculativeConfig, target) -> DrafterFactory:
-    from .draft_model import DraftModelDrafter
-    model = _load_draft_model(config, target)
-    k = config.num_speculative_tokens or 4
-    tree = [list(c) for c in config.tree] if config.tree else None
+    from .draft_model import DraftModelDrafter, with_vocab_head
     vocab = None
-    if config.draft_vocab is not None:
+    if config.draft_vocab is not None:          # a bad file fails before the draft model loads
         from ..draft_vocab import load_draft_vocab
+        from ..shipped import in_checkpoints
         try:
-            vocab = load_draft_vocab(resolve_shipped_path(config.draft_vocab), target.config.vocab_size)
+            vocab = load_draft_vocab(in_checkpoints(config.draft_vocab), target.config.vocab_size)
         except ValueError as e:
             raise SpecConfigError(f"speculative_config 'draft_vocab': {e}") from None
+    model = _load_draft_model(config, target)
+    if vocab is not None:
+        model = with_vocab_head(model, vocab)   # once: every engine's drafter shares the cut head
+    k = config.num_speculative_tokens or 4
+    tree = [list(c) for c in config.tree] if config.tree else None
     return lambda max_batch, max_len: DraftModelDrafter(model, max_batch=max_batch, max_len=max_len,
                                                         num_speculative_tokens=k, tree=tree, vocab=vocab)
-
-
-def resolve_shipped_path(path: str):
-    """A path as given, or else the first checkpoint root (``shipped``) that holds it."""
-    from pathlib import Path
-    from ..shipped import checkpoint_roots
-    p = Path(path)
-    if p.exists() or p.is_absolute():
-        return p
-    return next((root / p for root in checkpoint_roots() if (root / p).exists()), p)
 
 
 def _load_draft_model(config: SpeculativeConfig, target):

@@ -10,9 +10,10 @@ Greedy requests get deterministic drafts (argmax / top-k, q = None). Sampled req
 the draft distribution processed like the target's, siblings without replacement, and report
 the exact distribution each node was drawn from as ``q``.
 
-With a reduced draft vocabulary (``vocab``) the draft model's LM head keeps only those rows: its
-logits are spread back over the full vocabulary with -inf elsewhere, so tokens outside it get
-draft probability 0 and every ``q`` stays a distribution over the target's vocabulary.
+With a reduced draft vocabulary (``vocab``) the draft model's LM head keeps only those rows (the
+caller cuts it once with ``with_vocab_head``; drafters are made per engine): its logits are
+spread back over the full vocabulary with -inf elsewhere, so tokens outside it get draft
+probability 0 and every ``q`` stays a distribution over the target's vocabulary.
 """
 from __future__ import annotations
 
@@ -38,9 +39,13 @@ class DraftModelDrafter:
                  tree: list | None = None, vocab: DraftVocab | None = None):
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
+        if vocab is not None and model.lm_head.out_features != vocab.size:
+            raise ValueError(f"with a draft vocabulary of {vocab.size} tokens the draft model's LM head must "
+                             f"have that many rows (cut it once with with_vocab_head), it has "
+                             f"{model.lm_head.out_features}")
         self.vocab_size = model.cfg.vocab_size
         self.draft_ids = None if vocab is None else vocab.draft_ids
-        self.model = model if vocab is None else with_vocab_head(model, vocab)
+        self.model = model
         self.k = num_speculative_tokens
         self.choices = validate_choices(tree) if tree else None
         self.max_tree_nodes = len(self.choices) if self.choices else self.k

@@ -61,6 +61,16 @@ def build_transformer(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: t
     return model.to(dtype).eval().requires_grad_(False).fuse_()
 
 
+def read_config(path: Path, fmt: str) -> ModelConfig:
+    """The model's config alone (no weights read): GGUF metadata or an HF folder's config.json."""
+    if fmt == "gguf":
+        import gguf
+        from .gguf_loader import config_from_gguf
+        return config_from_gguf(gguf.GGUFReader(str(path)))
+    import json
+    return ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+
 def load_tokenizer(path: Path, fmt: str):
     """Tokenizer and chat template through transformers. Building one from GGUF metadata takes
     seconds, so the result is saved once under the cache folder, keyed by file size and mtime."""
