@@ -92,3 +92,27 @@ def test_greedy_on_packed_target_equals_its_vanilla(packed_target, head_prompts,
         assert any(isinstance(m, PackedFP16Linear) for m in head.modules())
         reader = head.__dict__.get("_lm_reader")           # tokens read through the target's LM head:
         assert reader is None or reader is packed_target.model.lm_head   # its packing, not a copy
+
+
+def test_split_matrix_is_bit_identical_on_one_and_two_threads(monkeypatch):
+    """A matrix over ``SPLIT_MIN_BYTES`` is packed as two column halves computed on two threads:
+    every output element comes from the same kernel over the same inputs, so the product is
+    bit-identical to the unsplit one, with and without the helper thread."""
+    from verispec.models import packed as packed_mod
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 300)
+    whole = PackedFP16Linear(copy.deepcopy(lin))
+    monkeypatch.setattr(packed_mod, "SPLIT_MIN_BYTES", 1)
+    split = PackedFP16Linear(copy.deepcopy(lin))
+    assert len(whole._parts) == 1 and len(split._parts) == 2
+    assert split._parts[0][0] is not None and split.out_features == 300
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (1, 5, 33):
+                x = torch.randn(m, 64)
+                assert torch.equal(split(x), whole(x))
+            assert split(torch.randn(2, 3, 64)).shape == (2, 3, 300)
+    finally:
+        torch.set_num_threads(before)
