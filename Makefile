@@ -19,7 +19,7 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/verispec generate --model smollm2-135m --chat --max-tokens 96 \
 	  --prompt "Explain in three sentences why the sky is blue." \
-	  --speculative-config '{"method": "eagle3"}' --weights fp16
+	  --speculative-config '{"method": "eagle3", "topk": 2, "depth": 3, "num_draft_tokens": 4}' --weights fp16
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
