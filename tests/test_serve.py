@@ -33,7 +33,7 @@ from verispec.drafters.ngram import NgramDrafter  # noqa: E402
 from verispec.engine import Engine, Sequence  # noqa: E402
 from verispec.serve.app import ServeConfig, TextStream, create_app  # noqa: E402
 from verispec.serve.policy import (AutoPolicy, PolicyDrafter, StaticPolicy, TablePolicy,  # noqa: E402
-                                   parse_policy)
+                                   parse_policy)  # AutoPolicy's own tests: tests/test_policy.py
 from verispec.tree import DraftTree  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -567,21 +567,6 @@ def test_policy_drafter_truncates_and_delegates():
     pd.release(0)
     assert inner.calls == ["start", "propose1", "propose2", "accept", "release"]   # budget 0: not asked
     assert pd.max_tree_nodes == 6 and pd.hidden_layers == () and pd.needs_last_hidden is False
-
-
-def test_auto_policy_prefers_the_faster_budget():
-    p = AutoPolicy(explore_every=10)
-    p.bind(4)
-    assert p.arms == [0, 2, 4]
-    for _ in range(30):
-        k = p.budget(1)
-        p.observe(1, k, 0.1, {0: 1, 2: 3, 4: 2}[k])      # budget 2 emits the most per second
-        k32 = p.budget(32)
-        p.observe(32, k32, 0.5 if k32 == 0 else 1.5, 32)  # at batch 32 drafting only costs
-    chosen1 = [p.budget(1) for _ in range(30)]
-    chosen32 = [p.budget(32) for _ in range(30)]
-    assert chosen1.count(2) >= 26 and chosen32.count(0) >= 26
-    assert {4, 0} <= set(chosen1) and {2, 4} <= set(chosen32)      # the others are still re-checked
 
 
 def test_policy_engine_output_equals_plain_decoding(llm):

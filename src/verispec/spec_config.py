@@ -29,6 +29,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     num_matches: int = 1                     # ngram: continuations merged into a tree
+    prompt_lookup_extra: int | None = None   # ngram: after an n-token match propose <= n + this
     self_draft_layers: int | None = None     # draft_model with model="self": first L target layers
     tree: tuple[tuple[int, ...], ...] | None = None   # static tree, choices format
     topk: int | None = None                  # dynamic tree (EAGLE-2)
@@ -84,6 +85,11 @@ class SpeculativeConfig:
                 raise SpecConfigError(f"speculative_config '{key}' must be a positive integer, got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpecConfigError("prompt_lookup_min must be <= prompt_lookup_max")
+        extra = self.prompt_lookup_extra
+        if extra is not None and (not isinstance(extra, int) or isinstance(extra, bool) or extra < 0):
+            raise SpecConfigError(f"speculative_config 'prompt_lookup_extra' must be an integer >= 0, got {extra!r}")
+        if extra is not None and self.method is not SpecMethod.NGRAM:
+            raise SpecConfigError("'prompt_lookup_extra' applies to method 'ngram'")
         if self.method is SpecMethod.DRAFT_MODEL and not self.model:
             raise SpecConfigError("method 'draft_model' needs 'model' (a model name or path, or 'self')")
         if self.model == "self" and self.self_draft_layers is None:

@@ -32,7 +32,7 @@ def build_drafter_factory(config: SpeculativeConfig, target) -> DrafterFactory:
 def _ngram(config: SpeculativeConfig, target) -> DrafterFactory:
     from .ngram import NgramDrafter
     drafter = NgramDrafter(config.num_speculative_tokens or 5, config.prompt_lookup_min,
-                           config.prompt_lookup_max, config.num_matches)
+                           config.prompt_lookup_max, config.num_matches, config.prompt_lookup_extra)
     return lambda max_batch, max_len: drafter
 
 

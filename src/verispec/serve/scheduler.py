@@ -307,7 +307,7 @@ class Scheduler:
         self.steps += 1
         if isinstance(eng.drafter, PolicyDrafter):
             eng.drafter.policy.observe(batch, eng.drafter.last_budget, dt,
-                                       eng.stats.num_emitted_tokens - emitted0)
+                                       eng.stats.num_emitted_tokens - emitted0, rows=eng.drafter.last_rows)
             self.metrics.draft_budget.set(eng.drafter.last_budget)
         elif eng.drafter is not None:
             self.metrics.draft_budget.set(eng.drafter.max_tree_nodes)
