@@ -116,3 +116,20 @@ def test_split_matrix_is_bit_identical_on_one_and_two_threads(monkeypatch):
             assert split(torch.randn(2, 3, 64)).shape == (2, 3, 300)
     finally:
         torch.set_num_threads(before)
+
+
+def test_long_inputs_use_the_dense_kernel_with_the_same_rounded_weights(single_thread):
+    """Prefill-length inputs (T >= DENSE_MIN_ROWS) go to the fp32 BLAS over the rounded weights;
+    short ones (decode, verification) to FBGEMM, whatever the batch size."""
+    from verispec.models import packed as packed_mod
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    packed = PackedFP16Linear(lin)
+    t = packed_mod.DENSE_MIN_ROWS
+    long_x = torch.randn(2, t, 64)
+    assert torch.equal(packed(long_x), F.linear(long_x, lin.weight, lin.bias))
+    short_x = torch.randn(t, 3, 64)                 # many rows, short sequences: FBGEMM
+    fb = torch.fbgemm_linear_fp16_weight(short_x.reshape(-1, 64).contiguous(), packed._parts[0][0],
+                                         packed._parts[0][1]).reshape(t, 3, 48)
+    assert torch.equal(packed(short_x), fb)
+    torch.testing.assert_close(packed(long_x[:, :5]), packed(long_x)[:, :5], rtol=1e-5, atol=1e-5)
