@@ -79,12 +79,13 @@ def _exact_tiny(model, prompt, params, length=3) -> dict:
     return out
 
 
-@pytest.mark.parametrize("tree,temperature,top_p,draft_ids", [
-    (None, 1.0, 1.0, None),
-    ([[0], [1], [0, 0], [1, 0], [0, 0, 0]], 0.7, 0.9, None),
-    ([[0], [1], [0, 0], [1, 0]], 1.0, 1.0, [0, 2, 3, 5, 6]),     # reduced draft vocabulary: q = 0 elsewhere
+@pytest.mark.parametrize("tree,temperature,top_p,draft_ids,stop", [
+    (None, 1.0, 1.0, None, None),
+    ([[0], [1], [0, 0], [1, 0], [0, 0, 0]], 0.7, 0.9, None, None),
+    ([[0], [1], [0, 0], [1, 0]], 1.0, 1.0, [0, 2, 3, 5, 6], None),  # reduced draft vocabulary: q = 0 elsewhere
+    (None, 1.0, 1.0, None, 0.3),        # chains cut after a draft token below probability 0.3: ragged lengths
 ])
-def test_engine_is_lossless_with_tiny_models(tree, temperature, top_p, draft_ids, single_thread):
+def test_engine_is_lossless_with_tiny_models(tree, temperature, top_p, draft_ids, stop, single_thread):
     from verispec.draft_vocab import DraftVocab
     target, draft = _tiny(0), _tiny(0, noise=0.3)
     prompt = [1, 2, 3, 1, 2]
@@ -93,13 +94,15 @@ def test_engine_is_lossless_with_tiny_models(tree, temperature, top_p, draft_ids
     vocab = DraftVocab.from_ids(torch.tensor(draft_ids), 8) if draft_ids else None
     if vocab is not None:
         draft = with_vocab_head(draft, vocab)
-    drafter = DraftModelDrafter(draft, max_batch=batch, max_len=16, num_speculative_tokens=2, tree=tree,
-                                vocab=vocab)
+    drafter = DraftModelDrafter(draft, max_batch=batch, max_len=16, num_speculative_tokens=2 if stop is None else 3,
+                                tree=tree, vocab=vocab, confidence_threshold=stop)
     engine = Engine(target, drafter, max_batch=batch, max_len=16 + drafter.max_tree_nodes + 2)
     seqs = [Sequence(prompt_ids=prompt, params=SamplingParams(**{**vars(params), "seed": i})) for i in range(n)]
     with torch.no_grad():
         engine.run(seqs)
     assert engine.stats.num_accepted_tokens > 0.1 * engine.stats.num_drafts   # speculation is exercised
+    if stop is not None:                                   # some chains were cut, others not
+        assert 1.0 < engine.stats.num_draft_tokens / engine.stats.num_drafts < 3.0
     counts: dict = {}
     for s in seqs:
         counts[tuple(s.output_ids[:3])] = counts.get(tuple(s.output_ids[:3]), 0) + 1

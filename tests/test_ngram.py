@@ -49,3 +49,33 @@ def test_bad_arguments():
         NgramDrafter(extra=-1)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramDrafter(prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+def test_draft_confidence_threshold_cuts_chains(single_thread):
+    """A draft-model chain ends after a token the draft gave less than the threshold; a tiny
+    threshold keeps every chain at full length; rows of one batch stop independently."""
+    import torch
+    from helpers import tiny_llama
+    from verispec.drafters.draft_model import DraftModelDrafter
+    model = tiny_llama(32, 16, 2)
+    reqs = [DraftRequest(r, [1, 2, 3, 4 + r], SamplingParams(temperature=0), None) for r in range(3)]
+    full = DraftModelDrafter(model, max_batch=3, max_len=32, num_speculative_tokens=4, confidence_threshold=1e-9)
+    assert [len(t) for t in full.propose(reqs)] == [4, 4, 4]
+    strict = DraftModelDrafter(model, max_batch=3, max_len=32, num_speculative_tokens=4, confidence_threshold=0.999)
+    assert [len(t) for t in strict.propose(reqs)] == [1, 1, 1]     # a random tiny model is never that sure
+    torch.manual_seed(0)
+    probs = []
+    for r, tree in zip(reqs, full.propose(reqs)):                  # the probabilities along each chain
+        ctx, ps = list(r.context), []
+        for tok in tree.tokens.tolist():
+            logits = model(torch.tensor([ctx]), torch.arange(len(ctx))[None]).logits[0, -1]
+            ps.append(float(torch.softmax(logits, -1)[tok]))
+            ctx.append(tok)
+        probs.append(ps)
+    flat = sorted(p for ps in probs for p in ps)
+    cut = (flat[5] + flat[6]) / 2                                   # between two chain probabilities
+    mid = DraftModelDrafter(model, max_batch=3, max_len=32, num_speculative_tokens=4, confidence_threshold=cut)
+    expect = [next((i + 1 for i, p in enumerate(ps) if p < cut), 4) for ps in probs]
+    assert [len(t) for t in mid.propose(reqs)] == expect and len(set(expect)) > 1, expect
+    with pytest.raises(ValueError, match="confidence_threshold"):
+        DraftModelDrafter(model, max_batch=1, max_len=8, confidence_threshold=1.0)

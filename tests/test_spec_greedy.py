@@ -113,6 +113,10 @@ def _llm_with(target, kind, reference, batch):
         return LLM(loaded=target, max_num_seqs=batch,
                    speculative_config={"method": "draft_model", "model": "self", "self_draft_layers": 8,
                                        "num_speculative_tokens": 3})
+    if kind == "self_draft_stop":
+        return LLM(loaded=target, max_num_seqs=batch,
+                   speculative_config={"method": "draft_model", "model": "self", "self_draft_layers": 8,
+                                       "num_speculative_tokens": 5, "draft_confidence_threshold": 0.5})
     if kind == "self_draft_tree":
         return LLM(loaded=target, max_num_seqs=batch,
                    speculative_config={"method": "draft_model", "model": "self", "self_draft_layers": 8,
@@ -135,11 +139,11 @@ def _check(target, kind, prompts, reference, batch):
     return outs, ties
 
 
-KINDS = ["ngram", "ngram_extra", "self_draft", "self_draft_tree", "oracle", "oracle_tree", "adversarial"]
+KINDS = ["ngram", "ngram_extra", "self_draft", "self_draft_stop", "self_draft_tree", "oracle", "oracle_tree", "adversarial"]
 # Default run: every drafter at batch 4 (20 prompts; the self-drafts and the adversarial drafter on
 # 8), batch 1 on 3 prompts. The slow marker runs the rest: every drafter on all 20 at both batches.
 DEFAULT_PROMPTS = 12
-DEFAULT_PROMPTS_B4 = {"ngram_extra": 4, "self_draft": 8, "self_draft_tree": 4, "adversarial": 8}
+DEFAULT_PROMPTS_B4 = {"ngram_extra": 4, "self_draft_stop": 4, "self_draft": 8, "self_draft_tree": 4, "adversarial": 8}
 
 
 @pytest.mark.parametrize("kind", KINDS)

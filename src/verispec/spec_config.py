@@ -37,6 +37,7 @@ class SpeculativeConfig:
     num_draft_tokens: int | None = None
     draft_dtype: str | None = None
     draft_vocab: str | None = None           # draft_model: reduced draft vocabulary file (d2t / t2d)
+    draft_confidence_threshold: float | None = None   # draft_model chain: stop below this draft prob
     # EAGLE / Medusa keys (validated by their drafter builders, see drafters/eagle.py, medusa.py)
     eagle_aux_hidden_state_layer_ids: tuple[int, ...] | None = None   # EAGLE-3 override, vLLM ids
     rank_by: str | None = None               # dynamic tree: "path" (EAGLE-2) | "confidence" (ablation)
@@ -97,9 +98,20 @@ class SpeculativeConfig:
         if self.draft_vocab is not None and self.method is not SpecMethod.DRAFT_MODEL:
             raise SpecConfigError("'draft_vocab' applies to method 'draft_model' (EAGLE-3 heads carry "
                                   "their own d2t)")
+        self._check_confidence()
         dynamic = [k for k in ("topk", "depth", "num_draft_tokens") if getattr(self, k) is not None]
         if dynamic and self.tree is not None:
             raise SpecConfigError(f"give either a static 'tree' or dynamic-tree keys {dynamic}, not both")
+
+    def _check_confidence(self) -> None:
+        c = self.draft_confidence_threshold
+        if c is None:
+            return
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 < c < 1.0:
+            raise SpecConfigError(f"speculative_config 'draft_confidence_threshold' must be a number in (0, 1), got {c!r}")
+        if self.method is not SpecMethod.DRAFT_MODEL or self.tree is not None:
+            raise SpecConfigError("'draft_confidence_threshold' applies to method 'draft_model' with a chain "
+                                  "(no static 'tree')")
 
     def as_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

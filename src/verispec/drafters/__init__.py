@@ -52,8 +52,10 @@ def _draft_model(config: SpeculativeConfig, target) -> DrafterFactory:
         model = with_vocab_head(model, vocab)   # once: every engine's drafter shares the cut head
     k = config.num_speculative_tokens or 4
     tree = [list(c) for c in config.tree] if config.tree else None
+    stop = config.draft_confidence_threshold
     return lambda max_batch, max_len: DraftModelDrafter(model, max_batch=max_batch, max_len=max_len,
-                                                        num_speculative_tokens=k, tree=tree, vocab=vocab)
+                                                        num_speculative_tokens=k, tree=tree, vocab=vocab,
+                                                        confidence_threshold=stop)
 
 
 def _load_draft_model(config: SpeculativeConfig, target):

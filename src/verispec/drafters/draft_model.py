@@ -36,9 +36,20 @@ class DraftModelDrafter:
     needs_last_hidden = False
 
     def __init__(self, model: Transformer, *, max_batch: int, max_len: int, num_speculative_tokens: int = 4,
-                 tree: list | None = None, vocab: DraftVocab | None = None):
+                 tree: list | None = None, vocab: DraftVocab | None = None,
+                 confidence_threshold: float | None = None):
+        """``confidence_threshold`` (chains only): a row's chain ends after a token the draft gave
+        less than this probability (its own, after temperature / top-k / top-p; the argmax's at
+        temperature 0). The draft forwards a chain would spend past a doubtful token are the ones
+        most likely wasted. The chain's length depends on draft-side numbers only, so the
+        verification stays lossless."""
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
+        if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
+            raise ValueError(f"confidence_threshold must be in (0, 1), got {confidence_threshold}")
+        if confidence_threshold is not None and tree:
+            raise ValueError("confidence_threshold applies to chains, not to a static tree")
+        self.confidence_threshold = confidence_threshold
         if vocab is not None and model.lm_head.out_features != vocab.size:
             raise ValueError(f"with a draft vocabulary of {vocab.size} tokens the draft model's LM head must "
                              f"have that many rows (cut it once with with_vocab_head), it has "
@@ -130,24 +141,36 @@ class DraftModelDrafter:
         rows = torch.tensor([r.row for r in requests])
         toks: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
-        budget = max((self.k if r.max_nodes is None else min(self.k, r.max_nodes)) for r in requests)
-        if budget == 0:
-            return [DraftTree.empty() for _ in requests]
-        for step in range(budget):
+        caps = [self.k if r.max_nodes is None else min(self.k, r.max_nodes) for r in requests]
+        live = [c > 0 for c in caps]
+        for step in range(max(caps)):
             for i, r in enumerate(requests):
+                if not live[i]:
+                    continue
                 x, q = self._pick(logits[i], r)
                 toks[i].append(x)
                 if q is not None:
                     qs[i].append(q)
-            if step == budget - 1:
+                live[i] = len(toks[i]) < caps[i] and self._confident(logits[i], x, q, r)
+            if not any(live):
                 break
-            feed = torch.tensor([[t[-1]] for t in toks])
+            # every row is fed (its last token): rows that stopped keep their cache in step and
+            # their extra slot is rolled back by prefix matching at the next catch-up
+            feed = torch.tensor([[t[-1] if t else r.context[-1]] for t, r in zip(toks, requests)])
             pos = self.cache.lengths[rows][:, None].clone()
             logits = self._logits(feed, pos, rows=rows)[:, 0]
             self.cache.advance(rows, 1)
             for i, r in enumerate(requests):
-                self.cached[r.row].append(toks[i][-1])
-        return [DraftTree.chain(t, torch.stack(q) if q else None) for t, q in zip(toks, qs)]
+                self.cached[r.row].append(toks[i][-1] if toks[i] else r.context[-1])
+        return [DraftTree.chain(t, torch.stack(q) if q else None) if t else DraftTree.empty()
+                for t, q in zip(toks, qs)]
+
+    def _confident(self, logits: torch.Tensor, x: int, q: torch.Tensor | None, r: DraftRequest) -> bool:
+        """Whether drafting goes on after token ``x`` (always, without a threshold)."""
+        if self.confidence_threshold is None:
+            return True
+        probs = q if q is not None else torch.softmax(logits.float(), dim=-1)
+        return float(probs[x]) >= self.confidence_threshold
 
     def _trees(self, requests: list[DraftRequest], root_logits: torch.Tensor) -> list[DraftTree]:
         """Static trees for all rows, one batched forward per level over each partial tree.
