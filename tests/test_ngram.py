@@ -1,5 +1,6 @@
-"""The n-gram drafter's proposals: longest match first, most recent match first, the
-``prompt_lookup_extra`` cut (after an n-token match at most n + extra tokens), trees of matches."""
+"""How long drafts get: the n-gram drafter's proposals (longest match first, most recent match
+first, the ``prompt_lookup_extra`` cut: after an n-token match at most n + extra tokens, trees of
+matches) and the draft model's ``draft_confidence_threshold`` cut of its chains."""
 from __future__ import annotations
 
 import pytest

@@ -14,8 +14,13 @@ Contract:
   kernel uses: the model simply *is* the fp16-weight model) and packed once for FBGEMM. Vanilla
   and speculative decoding on such a model share those weights, so speculation stays lossless
   with respect to it; it is not bit-identical to the fp32 model (relative weight error <= 2^-11).
+- Which kernel computes a product depends only on the weight's size and the input's sequence
+  length T, never on the batch or the drafter: T >= ``DENSE_MIN_ROWS`` (prefill chunks) runs the
+  fp32 BLAS over the same rounded weights; shorter inputs (decode, verification) run FBGEMM, on two
+  threads for matrices of ``SPLIT_MIN_BYTES`` or more (bit-identical to one thread).
 - Inference only (no autograd through packed weights); fp32 activations only. Packing keeps the
-  fp32 tensors (for readers such as EAGLE/Medusa heads), so memory grows by half.
+  fp32 tensors (for readers such as EAGLE/Medusa heads, and the prefill path), so memory grows by
+  half.
 """
 from __future__ import annotations
 
