@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 import torch.nn.functional as F
 
 from train_tiny import VOCAB, tiny_examples, tiny_target, tiny_task
@@ -265,6 +266,16 @@ def test_cli_trains_an_eagle3_head_that_decodes_losslessly(llm, tmp_path):
     prompt = [{"role": "user", "content": "Count from 3 to 9."}]
     params = SamplingParams(temperature=0, max_tokens=24)
     assert spec.chat(prompt, params)[0].token_ids == llm.chat(prompt, params)[0].token_ids
+    # warm start: the head's weights and draft vocabulary carry over; a conflicting flag is refused
+    warm = tmp_path / "warm"
+    assert main(["train", "eagle3", "--data", str(data), "--out", str(warm), "--max-steps", "1", "--batch-size", "2",
+                 "--heldout-fraction", "0", "--max-length", "64", "--quiet", "--ttt-length", "2", "--lr", "0",
+                 "--init-from", str(out / "checkpoint")]) == 0
+    a, b = (load_file(str(d / "checkpoint" / "model.safetensors")) for d in (out, warm))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)     # lr 0: unchanged
+    with pytest.raises(SystemExit, match="aux-layer-ids"):
+        main(["train", "eagle3", "--data", str(data), "--out", str(tmp_path / "bad"), "--max-steps", "1",
+              "--heldout-fraction", "0", "--quiet", "--aux-layer-ids", "1", "2", "3", "--init-from", str(out / "checkpoint")])
 
 
 def test_ship_copies_the_checkpoint_and_writes_the_card(tmp_path, single_thread):

@@ -55,7 +55,12 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     target = prep.target.model
     vocab_path = Path(args.out) / "draft_vocab.pt"
     counts = token_counts(((e.input_ids, e.loss_mask) for e in prep.train), target.cfg.vocab_size)
-    if vocab_path.exists() and not args.no_resume:
+    if args.init_from:
+        head, vocab = _warm_head(args, target)
+        if is_rank0():
+            vocab_path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(vocab, vocab_path)
+    elif vocab_path.exists() and not args.no_resume:
         vocab = torch.load(vocab_path, weights_only=False)      # resume: keep the first run's vocabulary
     else:
         eos = [i for i in prep.target.config.eos_token_ids if i < target.cfg.vocab_size]
@@ -63,9 +68,10 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
         if is_rank0():                  # every rank computes the same vocabulary from the same data
             vocab_path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(vocab, vocab_path)
-    cfg = new_head_config(target.cfg, vocab.size, tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
-                          fc_norm=args.eagle31, norm_output=args.eagle31)
-    head = init_eagle3_head(cfg, target, vocab, seed=args.seed)
+    if not args.init_from:
+        cfg = new_head_config(target.cfg, vocab.size, tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
+                              fc_norm=args.eagle31, norm_output=args.eagle31)
+        head = init_eagle3_head(cfg, target, vocab, seed=args.seed)
     features = None
     if args.features:
         from ..train.features import FeatureStore
@@ -81,6 +87,23 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     print(f"{'wrote ' + str(Path(args.out) / 'checkpoint') if done else 'stopped early (resume to finish)'}; "
           f"held-out: {result.eval}")
     return 0
+
+
+def _warm_head(args: argparse.Namespace, target):
+    """The head of ``--init-from`` (trainable, fp32) and its draft vocabulary; its config (draft
+    vocabulary, aux layers, EAGLE-3.1 switches) replaces the ones the flags would choose."""
+    import torch
+    from ..checkpoints import load_eagle_head
+    from ..drafters.eagle_head import HeadKind
+    from ..train.vocab import DraftVocab
+    head = load_eagle_head(args.init_from, target, HeadKind.EAGLE3)
+    cfg = head.cfg
+    if args.aux_layer_ids and tuple(args.aux_layer_ids) != cfg.aux_layer_ids:
+        raise SystemExit(f"--aux-layer-ids {args.aux_layer_ids} differ from the --init-from head's {list(cfg.aux_layer_ids)}")
+    if args.eagle31 and not (cfg.fc_norm and cfg.norm_output):
+        raise SystemExit("--eagle31 given, but the --init-from head is an EAGLE-3 (not 3.1) head")
+    head = head.float().train().requires_grad_(True)
+    return head, DraftVocab(d2t=head.d2t.clone(), t2d=head.t2d.clone())
 
 
 def cmd_ship(args: argparse.Namespace) -> int:
@@ -103,6 +126,8 @@ def add_parser(sub) -> None:
     e3.add_argument("--draft-vocab-size", type=int, default=16384)
     e3.add_argument("--aux-layer-ids", type=int, nargs=3, help="vLLM ids (k = output of layer k-1)")
     e3.add_argument("--eagle31", action="store_true", help="EAGLE-3.1: fc_norm + norm_output")
+    e3.add_argument("--init-from", help="warm start: an EAGLE-3 head folder (its draft vocabulary and "
+                    "config are kept; a new optimizer and schedule start from step 0)")
     e3.add_argument("--features", help="offline feature cache from `verispec data features` (default: online)")
     e3.set_defaults(func=cmd_eagle3)
     sh = tsub.add_parser("ship", help="copy a finished run's checkpoint to its shipped folder, with a model card")
