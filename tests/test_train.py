@@ -273,6 +273,13 @@ def test_cli_trains_an_eagle3_head_that_decodes_losslessly(llm, tmp_path):
                  "--init-from", str(out / "checkpoint")]) == 0
     a, b = (load_file(str(d / "checkpoint" / "model.safetensors")) for d in (out, warm))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)     # lr 0: unchanged
+    ev_dir = tmp_path / "eval"
+    assert main(["train", "eagle3", "--data", str(data), "--out", str(ev_dir), "--heldout-fraction", "0.5",
+                 "--batch-size", "1", "--max-length", "64", "--quiet", "--ttt-length", "3", "--eval-only",
+                 "--init-from", str(out / "checkpoint")]) == 0
+    ev = json.loads((ev_dir / "eval.json").read_text())
+    assert ev["heldout_sequences"] == 2 and {"acc0", "acc1", "acc2"} <= ev.keys() and 0 <= ev["acc0"] <= 1
+    assert not (ev_dir / "checkpoint").exists()                                  # nothing trained
     with pytest.raises(SystemExit, match="aux-layer-ids"):
         main(["train", "eagle3", "--data", str(data), "--out", str(tmp_path / "bad"), "--max-steps", "1",
               "--heldout-fraction", "0", "--quiet", "--aux-layer-ids", "1", "2", "3", "--init-from", str(out / "checkpoint")])

@@ -79,6 +79,8 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
                                 target.cfg.hidden_size)
     task = Eagle3Task(target, head, ttt_length=args.ttt_length, decay=args.ttt_decay, features=features)
     task.save_dtype = torch.bfloat16 if args.save_dtype == "bf16" else torch.float32
+    if args.eval_only:
+        return _eval_only(args, Trainer(task, prep.train, prep.heldout, train_config(args)), len(prep.heldout))
     result = Trainer(task, prep.train, prep.heldout, train_config(args)).fit()
     write_meta(Path(args.out), prep, result, {
         "method": "eagle3.1" if args.eagle31 else "eagle3", "ttt_length": args.ttt_length,
@@ -86,6 +88,22 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     done = result.steps >= train_config(args).max_steps if args.max_steps else (Path(args.out) / "checkpoint").exists()
     print(f"{'wrote ' + str(Path(args.out) / 'checkpoint') if done else 'stopped early (resume to finish)'}; "
           f"held-out: {result.eval}")
+    return 0
+
+
+def _eval_only(args: argparse.Namespace, trainer, n_heldout: int) -> int:
+    """Held-out statistics of the ``--init-from`` head at ``--ttt-length`` steps, to
+    ``<out>/eval.json``; nothing is trained."""
+    import json
+    if not args.init_from:
+        raise SystemExit("--eval-only needs --init-from (the head to evaluate)")
+    if n_heldout == 0:
+        raise SystemExit("--eval-only needs held-out data (--heldout-fraction > 0)")
+    ev = {"head": args.init_from, "ttt_length": args.ttt_length, "heldout_sequences": n_heldout,
+          **trainer.evaluate()}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "eval.json").write_text(json.dumps(ev, indent=1))
+    print(json.dumps(ev))
     return 0
 
 
@@ -128,6 +146,8 @@ def add_parser(sub) -> None:
     e3.add_argument("--eagle31", action="store_true", help="EAGLE-3.1: fc_norm + norm_output")
     e3.add_argument("--init-from", help="warm start: an EAGLE-3 head folder (its draft vocabulary and "
                     "config are kept; a new optimizer and schedule start from step 0)")
+    e3.add_argument("--eval-only", action="store_true",
+                    help="only evaluate the --init-from head on the held-out split (writes <out>/eval.json)")
     e3.add_argument("--features", help="offline feature cache from `verispec data features` (default: online)")
     e3.set_defaults(func=cmd_eagle3)
     sh = tsub.add_parser("ship", help="copy a finished run's checkpoint to its shipped folder, with a model card")
