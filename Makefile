@@ -57,7 +57,7 @@ regen: sharegpt
 	  --max-prompt-tokens 256 --batch-size 16 --chunk-size 32
 
 # Two stages: 170 steps from scratch on 2000 conversations (TTT 7), then a warm continuation on
-# 4000 (TTT 4: a step costs 12.8 s instead of 17-19 s); the second stage's head is the shipped one.
+# 4000 (TTT 4: a step costs about 11 s instead of 17-19 s); the second stage's head is the shipped one.
 train-eagle3: regen
 	$(BIN)/verispec train eagle3 --data $(HEAD_DATA) --out runs/e3-smollm2 --max-steps 170 \
 	  --batch-size 4 --micro-batch-size 2 --lr 1.5e-3 --warmup-ratio 0.05 --draft-vocab-size 16384 --log-every 5 --save-every 20 --threads 2

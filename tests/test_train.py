@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from train_tiny import VOCAB, tiny_examples, tiny_target, tiny_task
 from verispec.checkpoints import load_eagle_head

@@ -43,11 +43,15 @@ def train_config(args):
 
 
 def cmd_eagle3(args: argparse.Namespace) -> int:
+    import dataclasses
+
     import torch
     from ..train.common import is_rank0, prepare_data, write_meta
     from ..train.eagle3 import Eagle3Task, init_eagle3_head, new_head_config
     from ..train.loop import Trainer
     from ..train.vocab import build_draft_vocab, token_counts
+    if args.eval_only and not args.init_from:
+        raise SystemExit("--eval-only needs --init-from (the head to evaluate)")
     if args.threads:
         torch.set_num_threads(args.threads)
     prep = prepare_data(args.model, args.data, max_length=args.max_length,
@@ -57,21 +61,18 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     counts = token_counts(((e.input_ids, e.loss_mask) for e in prep.train), target.cfg.vocab_size)
     if args.init_from:
         head, vocab = _warm_head(args, target)
-        if is_rank0():
-            vocab_path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(vocab, vocab_path)
-    elif vocab_path.exists() and not args.no_resume:
-        vocab = torch.load(vocab_path, weights_only=False)      # resume: keep the first run's vocabulary
     else:
-        eos = [i for i in prep.target.config.eos_token_ids if i < target.cfg.vocab_size]
-        vocab = build_draft_vocab(counts, min(args.draft_vocab_size, target.cfg.vocab_size), always=eos)
-        if is_rank0():                  # every rank computes the same vocabulary from the same data
-            vocab_path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(vocab, vocab_path)
-    if not args.init_from:
+        if vocab_path.exists() and not args.no_resume:
+            vocab = torch.load(vocab_path, weights_only=False)      # resume: keep the first run's vocabulary
+        else:
+            eos = [i for i in prep.target.config.eos_token_ids if i < target.cfg.vocab_size]
+            vocab = build_draft_vocab(counts, min(args.draft_vocab_size, target.cfg.vocab_size), always=eos)
         cfg = new_head_config(target.cfg, vocab.size, tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
                               fc_norm=args.eagle31, norm_output=args.eagle31)
         head = init_eagle3_head(cfg, target, vocab, seed=args.seed)
+    if is_rank0():                      # every rank has the same vocabulary (same data or same head)
+        vocab_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(vocab, vocab_path)
     features = None
     if args.features:
         from ..train.features import FeatureStore
@@ -80,7 +81,8 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     task = Eagle3Task(target, head, ttt_length=args.ttt_length, decay=args.ttt_decay, features=features)
     task.save_dtype = torch.bfloat16 if args.save_dtype == "bf16" else torch.float32
     if args.eval_only:
-        return _eval_only(args, Trainer(task, prep.train, prep.heldout, train_config(args)), len(prep.heldout))
+        no_resume = dataclasses.replace(train_config(args), resume=False)   # evaluate the head, not a run's state
+        return _eval_only(args, Trainer(task, prep.train, prep.heldout, no_resume), len(prep.heldout))
     result = Trainer(task, prep.train, prep.heldout, train_config(args)).fit()
     write_meta(Path(args.out), prep, result, {
         "method": "eagle3.1" if args.eagle31 else "eagle3", "ttt_length": args.ttt_length,
@@ -95,8 +97,6 @@ def _eval_only(args: argparse.Namespace, trainer, n_heldout: int) -> int:
     """Held-out statistics of the ``--init-from`` head at ``--ttt-length`` steps, to
     ``<out>/eval.json``; nothing is trained."""
     import json
-    if not args.init_from:
-        raise SystemExit("--eval-only needs --init-from (the head to evaluate)")
     if n_heldout == 0:
         raise SystemExit("--eval-only needs held-out data (--heldout-fraction > 0)")
     ev = {"head": args.init_from, "ttt_length": args.ttt_length, "heldout_sequences": n_heldout,
@@ -110,7 +110,6 @@ def _eval_only(args: argparse.Namespace, trainer, n_heldout: int) -> int:
 def _warm_head(args: argparse.Namespace, target):
     """The head of ``--init-from`` (trainable, fp32) and its draft vocabulary; its config (draft
     vocabulary, aux layers, EAGLE-3.1 switches) replaces the ones the flags would choose."""
-    import torch
     from ..checkpoints import load_eagle_head
     from ..drafters.eagle_head import HeadKind
     from ..train.vocab import DraftVocab
