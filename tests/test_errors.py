@@ -101,3 +101,10 @@ def test_draft_model_with_other_vocab(target, tmp_path):
     target.tokenizer.save_pretrained(str(tmp_path))
     with pytest.raises(SpecConfigError, match="vocab"):
         LLM(loaded=target, speculative_config={"method": "draft_model", "model": str(tmp_path)})
+
+
+def test_chat_on_a_model_without_template(llm, monkeypatch):
+    """Base models (gemma3-270m) ship no chat template: a clear error, not transformers' own."""
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))

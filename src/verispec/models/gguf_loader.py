@@ -2,7 +2,8 @@
 
 Quantized tensors are dequantized with the ``gguf`` package. llama.cpp's converter permutes the
 rows of q and k for the ``llama`` architecture (interleaved RoPE); that permutation is undone so
-the weights match the Hugging Face half-rotation layout our ``Transformer`` uses.
+the weights match the Hugging Face half-rotation layout our ``Transformer`` uses. For Gemma 3 the
+converter stores RMSNorm weights as 1 + w, which is exactly the multiplier our ``RMSNorm`` applies.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.w_gate.weight",
     "ffn_up.weight": "mlp.w_up.weight",
     "ffn_down.weight": "mlp.w_down.weight",
+    # Gemma 3
+    "attn_q_norm.weight": "attn.q_norm.weight", "attn_k_norm.weight": "attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attn_norm.weight", "post_ffw_norm.weight": "post_mlp_norm.weight",
 }
 _GLOBAL_NAMES = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -62,6 +66,7 @@ def config_from_gguf(reader) -> ModelConfig:
     if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": _field(reader, f"{arch}.rope.scaling.type"),
                    "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+    gemma = _gemma3_fields(reader, g, hidden, heads) if arch == "gemma3" else {}
     return ModelConfig(
         arch=arch,
         vocab_size=int(embd.shape[1]),
@@ -74,12 +79,33 @@ def config_from_gguf(reader) -> ModelConfig:
         max_position_embeddings=int(g("context_length", 8192)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        **({} if gemma else {"rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5))}),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos)),
+        **gemma,
     )
+
+
+def _gemma3_fields(reader, g, hidden: int, heads: int) -> dict:
+    """Gemma 3 settings llama.cpp reads from the file or fixes in code (``llama-model.cpp``): every
+    6th layer global unless a ``sliding_window_pattern`` is stored, local RoPE base 10000, query
+    scale 1/sqrt(head_dim) except for the 62-layer 27B model (1/sqrt(hidden/heads))."""
+    n = int(g("block_count"))
+    pattern = g("attention.sliding_window_pattern")
+    if isinstance(pattern, list):      # one flag per layer: True = sliding
+        sliding = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:
+        every = int(pattern) if pattern else 6
+        sliding = tuple(i for i in range(n) if (i + 1) % every)
+    head_dim = int(g("attention.key_length", hidden // heads))
+    query = hidden // heads if n == 62 else head_dim
+    return dict(hidden_act="gelu_tanh", embed_scale=float(hidden) ** 0.5, qk_norm=True, sandwich_norm=True,
+                query_scale=float(query) ** -0.5, sliding_window=int(g("attention.sliding_window", 4096)),
+                sliding_layers=sliding, rope_local_theta=10000.0,
+                final_logit_softcapping=g("final_logit_softcapping"),
+                rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)))
 
 
 def _our_name(name: str) -> str | None:

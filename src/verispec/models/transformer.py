@@ -1,4 +1,4 @@
-"""A compact decoder-only transformer we own (Llama family: Llama, SmolLM2, Qwen2, Mistral).
+"""A compact decoder-only transformer we own (Llama family: Llama, SmolLM2, Qwen2, Mistral; Gemma 3).
 
 One forward serves prefill, decode and draft-tree verification:
 
@@ -12,12 +12,16 @@ One forward serves prefill, decode and draft-tree verification:
 - ``hidden_layers``: the outputs of these decoder layers (0-based) are returned in
   ``ModelOutput.hidden`` (EAGLE-3 fuses layers 1, N/2-1, N-4); ``ModelOutput.last_hidden`` is the
   final-normed state the LM head reads (EAGLE-1, Medusa).
+- Gemma 3 (switched on by ``ModelConfig`` fields, never by name): scaled embeddings, q/k RMSNorm,
+  sandwich norms, GeGLU, and sliding-window layers (a query at position p sees keys at positions
+  > p - window, committed or new) with their own RoPE base.
 Knows nothing about drafters, trees or sampling.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +50,13 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] with the config's theta and scaling (default, linear, llama3)."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] with the config's theta and scaling (default, linear, llama3).
+    ``local``: those of the sliding-window layers (``rope_local_theta``, no scaling)."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    sc = cfg.rope_scaling or {}
+    theta = (cfg.rope_local_theta or cfg.rope_theta) if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    sc = {} if local else (cfg.rope_scaling or {})
     kind = sc.get("rope_type", sc.get("type", "default"))
     if kind in ("default", None):
         return inv.float()
@@ -82,7 +88,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=cfg.attention_bias)
         self.wv = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=cfg.attention_bias)
         self.wo = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
-
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.query_scale
         self.fused: nn.Linear | None = None
 
     def fuse_(self) -> None:
@@ -104,11 +112,14 @@ class Attention(nn.Module):
         q = q.reshape(b, t, self.h, self.d).transpose(1, 2)
         k = k.reshape(b, t, self.kvh, self.d).transpose(1, 2)
         v = v.reshape(b, t, self.kvh, self.d).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(self.layer, rows, slots, k, v)
             k, v = cache.read(self.layer, rows, used)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kvh != self.h)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kvh != self.h,
+                                             scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(b, t, self.h * self.d))
 
 
@@ -132,6 +143,7 @@ class MLP(nn.Module):
         self.w_gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.w_up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = F.silu if cfg.hidden_act == "silu" else partial(F.gelu, approximate="tanh")
         self.fused: nn.Linear | None = None
 
     def fuse_(self) -> None:
@@ -143,8 +155,8 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.fused is not None:
             gate, up = self.fused(x).chunk(2, dim=-1)
-            return self.w_down(F.silu(gate) * up)
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+            return self.w_down(self.act(gate) * up)
+        return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))
 
 
 class Block(nn.Module):
@@ -154,10 +166,14 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
+        self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
 
     def forward(self, x, cos, sin, mask, cache, rows, slots, used):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, rows, slots, used)
-        return x + self.mlp(self.mlp_norm(x))
+        a = self.attn(self.attn_norm(x), cos, sin, mask, cache, rows, slots, used)
+        x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        m = self.mlp(self.mlp_norm(x))
+        return x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
 
 
 def build_mask(lengths: torch.Tensor, used: int, new_mask: torch.Tensor) -> torch.Tensor:
@@ -171,6 +187,19 @@ def build_mask(lengths: torch.Tensor, used: int, new_mask: torch.Tensor) -> torc
     return (prefix | (in_new & gathered))[:, None]
 
 
+def window_mask(lengths: torch.Tensor | None, used: int, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[B,1,T,used] bool: key slot within ``window`` positions of the query (its own included).
+    A committed slot's position is its index; new slot ``lengths + j`` holds ``positions[:, j]``."""
+    b, t = positions.shape
+    if lengths is None:
+        key_pos = positions
+    else:
+        slot = torch.arange(used, device=positions.device)[None, :]
+        rel = slot - lengths[:, None]
+        key_pos = torch.where(rel < 0, slot, torch.gather(positions, 1, rel.clamp(0, t - 1)))
+    return (key_pos[:, None, :] > positions[:, :, None] - window)[:, None]
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -182,9 +211,16 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True), persistent=False)
+        self.sliding = frozenset(cfg.sliding_layers)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[..., None].float() * self.inv_freq            # [B,T,D/2]
+    def reset_rope_(self) -> None:
+        """Recompute the RoPE buffers (after ``to_empty``: they are not in the state dict)."""
+        self.inv_freq = rope_inv_freq(self.cfg)
+        self.inv_freq_local = rope_inv_freq(self.cfg, local=True)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False):
+        freqs = positions[..., None].float() * (self.inv_freq_local if local else self.inv_freq)   # [B,T,D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]                 # [B,1,T,D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -206,13 +242,20 @@ class Transformer(nn.Module):
             used = int(lengths.max()) + t
             mask = build_mask(lengths, used, new_mask)
         else:
-            slots, used = None, t
+            slots, used, lengths = None, t, None
             mask = new_mask[:, None]
         x = self.embed(tokens)
-        cos, sin = self.rope(positions, x.dtype)
+        if self.cfg.embed_scale != 1.0:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        full = (*self.rope(positions, x.dtype), mask)
+        local = full
+        if self.sliding:
+            local = (*self.rope(positions, x.dtype, local=True),
+                     mask & window_mask(lengths, used, positions, self.cfg.sliding_window))
         hidden = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, rows, slots, used)
+            cos, sin, m = local if i in self.sliding else full
+            x = layer(x, cos, sin, m, cache, rows, slots, used)
             if i in hidden_layers:
                 hidden[i] = x
         x = self.norm(x)
@@ -221,6 +264,9 @@ class Transformer(nn.Module):
             sel = x if logits_index is None else torch.gather(
                 x, 1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
             logits = self.lm_head(sel)
+            if self.cfg.final_logit_softcapping:
+                cap = self.cfg.final_logit_softcapping
+                logits = torch.tanh(logits / cap) * cap
         return ModelOutput(logits=logits, last_hidden=x, hidden=hidden)
 
     def fuse_(self) -> "Transformer":

@@ -282,6 +282,8 @@ def backbone_tensors(model: Transformer) -> dict[str, torch.Tensor]:
 
 
 def backbone_config(cfg, dtype: torch.dtype) -> dict:
+    if cfg.arch not in _ARCHITECTURES:
+        raise ValueError(f"Medusa-2 writes Llama-family backbones only, not {cfg.arch!r}")
     eos = list(cfg.eos_token_ids)
     return {
         "architectures": [_ARCHITECTURES[cfg.arch]], "model_type": cfg.arch, "hidden_act": "silu",
