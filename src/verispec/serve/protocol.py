@@ -1,0 +1,97 @@
+"""Request bodies of the OpenAI-compatible API (pydantic): what a client may send.
+
+Unknown fields are kept and ignored (as OpenAI does); wrong types and out-of-range values fail
+validation (the app answers 400). ``unsupported()`` names a valid field value this server cannot
+honour (n > 1, penalties, logprobs, tools, ...), or returns None.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+Seed = Annotated[StrictInt, Field(ge=-2**63, le=2**64 - 1)]
+StopList = Annotated[list[Annotated[str, Field(max_length=512)]], Field(max_length=16)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    seed: Seed | None = None
+    stop: Annotated[str, Field(max_length=512)] | StopList | None = None
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=64)] | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+
+    def unsupported(self) -> str | None:
+        """Why this request asks for something this server cannot do, or None."""
+        if self.n != 1:
+            return f"n must be 1 (one choice per request is supported), got {self.n}"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty and frequency_penalty are not supported"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        return None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: StrictBool = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+    logprobs: StrictInt | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo or self.suffix or self.logprobs is not None or self.best_of not in (None, 1):
+            return "echo, suffix, logprobs and best_of are not supported"
+        return super().unsupported()
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs or self.top_logprobs:
+            return "logprobs are not supported"
+        if self.tools:
+            return "tools are not supported"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format other than {'type': 'text'} is not supported"
+        return super().unsupported()
