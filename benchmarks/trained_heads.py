@@ -13,7 +13,7 @@ Three suites on smollm2-135m (fp32) with the heads in ``checkpoints/``, written 
   64 tokens (questions repeated to fill a batch).
 * ``heads-fp16``: the heads with fp16-packed weights (target and heads), 64 tokens per turn:
   vanilla, eagle3 (default dynamic tree), eagle3-cpu (topk 2 / depth 3 / 4 nodes, the demo's),
-  eagle (EAGLE-1, default static tree), medusa.
+  eagle3-chain (a chain of 3), eagle (EAGLE-1, default static tree), medusa.
 
 Run after ``benchmarks/spec_bench.py`` (the other methods and peers) on the same questions;
 vanilla runs in every suite, so each ratio is from one process. ``--rerender`` rebuilds the report.
@@ -45,8 +45,9 @@ def suites(threads: int) -> list[BenchConfig]:
                     batch_sizes=(1,), **common),
         BenchConfig(name="eagle2-ablation", methods=("vanilla",), preset="eagle2-ablation", categories=SUBSET,
                     per_category=1, max_tokens=64, batch_sizes=(1,), **common),
-        BenchConfig(name="heads-fp16", methods=("vanilla", "eagle3", "eagle3-cpu", "eagle", "medusa"),
-                    method_configs={"eagle3-cpu": {"method": "eagle3", "topk": 2, "depth": 3, "num_draft_tokens": 4}},
+        BenchConfig(name="heads-fp16", methods=("vanilla", "eagle3", "eagle3-cpu", "eagle3-chain", "eagle", "medusa"),
+                    method_configs={"eagle3-cpu": {"method": "eagle3", "topk": 2, "depth": 3, "num_draft_tokens": 4},
+                                    "eagle3-chain": {"method": "eagle3", "topk": 1, "depth": 3, "num_draft_tokens": 3}},
                     per_category=1, max_tokens=64, batch_sizes=(1,), weights="fp16", **common),
         BenchConfig(name="batch-sweep", methods=("vanilla", "eagle3"), categories=SUBSET[1:3], per_category=1,
                     max_tokens=64, batch_sizes=(1, 4, 8), **common),

@@ -221,3 +221,12 @@ def test_rerunning_one_suite_keeps_the_others(tiny, tmp_path):
     assert merged[0].wall_s == rerun.wall_s and merged[1].wall_s == result.wall_s
     assert merge_suites(tmp_path / "absent.json", [rerun]) == [rerun]
     assert [r.name for r in load_results(tmp_path / "results.json")] == ["tiny", "other"]
+
+
+def test_base_model_without_template_gets_plain_question_answer_text(target, monkeypatch):
+    tok = target.tokenizer
+    monkeypatch.setattr(tok, "chat_template", None)
+    msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another?"}]
+    ids = runner_mod.chat_ids(tok, msgs)
+    assert tok.decode(ids).endswith("Question: Name a color.\n\nAnswer: Blue.\n\nQuestion: Another?\n\nAnswer:")

@@ -374,7 +374,13 @@ def machine_info(dtype: torch.dtype, meter: RssMeter) -> dict:
 
 # ---------------------------------------------------------------------------- conversations
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` with the chat template and the generation prompt applied."""
+    """Token ids of ``messages`` with the chat template and the generation prompt applied. A base
+    model without a template (gemma3-270m) gets plain "Question: ... / Answer:" text instead, with
+    the tokenizer's special tokens (BOS)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        names = {"user": "Question", "assistant": "Answer", "system": "Instructions"}
+        text = "\n\n".join(f"{names.get(m['role'], m['role'])}: {m['content']}" for m in messages)
+        return tokenizer(text + "\n\nAnswer:").input_ids
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
