@@ -59,13 +59,17 @@ regen: sharegpt
 	$(BIN)/verispec data regenerate --output $(REGEN) --limit 64 --max-tokens 256 \
 	  --max-prompt-tokens 256 --batch-size 16 --chunk-size 32
 
-# Two stages: 170 steps from scratch on 2000 conversations (TTT 7), then a warm continuation on
-# 4000 (TTT 4: a step costs about 11 s instead of 17-19 s); the second stage's head is the shipped one.
+# Three stages: 170 steps from scratch on 2000 conversations (TTT 7), then warm continuations on
+# 4000 and on 8000 conversations (TTT 4: a step costs about 11 s instead of 17-19 s); the third
+# stage's head is the shipped one.
 train-eagle3: regen
 	$(BIN)/verispec train eagle3 --data $(HEAD_DATA) --out runs/e3-smollm2 --max-steps 170 \
 	  --batch-size 4 --micro-batch-size 2 --lr 1.5e-3 --warmup-ratio 0.05 --draft-vocab-size 16384 --log-every 5 --save-every 20 --threads 2
 	$(BIN)/verispec train eagle3 --data $(REGEN) $(SHAREGPT) --limit 4000 --max-length 384 --heldout-fraction 0.03 \
 	  --out runs/e3-smollm2-warm --init-from runs/e3-smollm2/checkpoint --ttt-length 4 --max-steps 380 \
+	  --batch-size 4 --micro-batch-size 4 --lr 1e-3 --warmup-ratio 0.03 --log-every 10 --save-every 40 --threads 2
+	$(BIN)/verispec train eagle3 --data $(REGEN) $(SHAREGPT) --limit 8000 --max-length 384 --heldout-fraction 0.03 \
+	  --out runs/e3-smollm2-warm2 --init-from runs/e3-smollm2-warm/checkpoint --ttt-length 4 --max-steps 400 \
 	  --batch-size 4 --micro-batch-size 4 --lr 1e-3 --warmup-ratio 0.03 --log-every 10 --save-every 40 --threads 2
 
 train-medusa: regen
