@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..metrics import SpecStats
-from ..models.config import ModelConfig
+from ..models.config import LLAMA_FAMILY, ModelConfig
 from ..models.loading import LoadedModel, load_model
 from ..sampling import SamplingParams
 from . import BenchError, GenResult
@@ -70,7 +70,7 @@ def quiet_transformers() -> None:
 def hf_config(cfg: ModelConfig):
     """The HF config of the architecture our ``ModelConfig`` describes."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
-    if cfg.arch not in ("llama", "mistral", "qwen2"):
+    if cfg.arch not in LLAMA_FAMILY:
         raise ValueError(f"the HF peer shares weights with Llama-family targets only, not {cfg.arch!r}")
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                   intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,

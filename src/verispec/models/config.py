@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "gemma3")
 _HF_MODEL_TYPES = {"gemma3_text": "gemma3"}   # HF model_type -> our arch name
 ACTIVATIONS = ("silu", "gelu_tanh")
 

@@ -79,7 +79,7 @@ def config_from_gguf(reader) -> ModelConfig:
         max_position_embeddings=int(g("context_length", 8192)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        **({} if gemma else {"rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5))}),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6 if gemma else 1e-5)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
@@ -104,8 +104,7 @@ def _gemma3_fields(reader, g, hidden: int, heads: int) -> dict:
     return dict(hidden_act="gelu_tanh", embed_scale=float(hidden) ** 0.5, qk_norm=True, sandwich_norm=True,
                 query_scale=float(query) ** -0.5, sliding_window=int(g("attention.sliding_window", 4096)),
                 sliding_layers=sliding, rope_local_theta=10000.0,
-                final_logit_softcapping=g("final_logit_softcapping"),
-                rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)))
+                final_logit_softcapping=g("final_logit_softcapping"))
 
 
 def _our_name(name: str) -> str | None:
