@@ -19,9 +19,14 @@ instrumented vanilla and ngram runs; reports prefill's share, the verify cost pe
 prompt's context, and the mean acceptance length a 1.3x end-to-end speed-up would need given the
 measured step costs.
 
+Part K (kernels, random weights of the real shapes, cycled so nothing stays in cache): the packed
+fp16 matmuls of the 1.5B's 28 layers at T = 1, 2, 5, 8 rows, and the 0.5B's matmuls (64k head)
+at T = 1, 2 with packed fp16 against torch's weight-only int8 and int4 CPU kernels (would a
+quantized draft be cheaper?).
+
 Writes benchmarks/results/spec_bound.{json,md}.
 
-    python benchmarks/spec_bound.py [--part qs] [--prompts 2] [--max-tokens 128]
+    python benchmarks/spec_bound.py [--part qsk] [--prompts 2] [--max-tokens 128]
 """
 from __future__ import annotations
 
@@ -184,11 +189,77 @@ def part_s(max_tokens: int) -> dict:
     return {"config": NGRAM, "max_tokens": max_tokens, "rows": rows}
 
 
+QWEN15_MATS = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)] * 28       # (out, in) per layer
+QWEN05_MATS = [(1152, 896), (896, 896), (9728, 896), (896, 4864)] * 24 + [(65536, 896)]
+
+
+class _Int8(torch.nn.Module):
+    """Weight-only int8 (one scale per output row), bf16 activations: ``_weight_int8pack_mm``."""
+
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        s = w.abs().amax(1) / 127
+        self.w, self.s = torch.round(w / s[:, None]).to(torch.int8), s.bfloat16()
+
+    def forward(self, x):
+        return torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.w, self.s).float()
+
+
+class _Int4(torch.nn.Module):
+    """Weight-only int4, groups of 32 with scale and zero: ``_weight_int4pack_mm_for_cpu``."""
+
+    def __init__(self, w: torch.Tensor, group: int = 32):
+        super().__init__()
+        n, k = w.shape
+        g = w.reshape(n, k // group, group)
+        lo, hi = g.amin(-1), g.amax(-1)
+        sc = ((hi - lo) / 15).clamp(min=1e-8)
+        q = torch.round((g - lo[..., None]) / sc[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+        self.sz = torch.stack([sc, lo + 8 * sc], -1).transpose(0, 1).contiguous().bfloat16()
+        self.w, self.group = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), group
+
+    def forward(self, x):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), self.w, self.group, self.sz).float()
+
+
+def _matmul_ms(mats: list[tuple[int, int]], make, rows: tuple[int, ...], repeats: int = 3) -> dict[str, float]:
+    from verispec.models.packed import PackedFP16Linear  # noqa: F401 - make() may use it
+    torch.manual_seed(0)
+    mods = [(make(torch.randn(n, k) * 0.02), k) for n, k in mats]
+    out = {}
+    with torch.no_grad():
+        for t in rows:
+            xs = {k: torch.randn(t, k) for _, k in mats}
+            for m, k in mods:
+                m(xs[k])
+            s = time.perf_counter()
+            for _ in range(repeats):
+                for m, k in mods:
+                    m(xs[k])
+            out[str(t)] = (time.perf_counter() - s) / repeats * 1e3
+    return out
+
+
+def part_k() -> dict:
+    from verispec.models.packed import PackedFP16Linear
+
+    def fp16(w):
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data.copy_(w)
+        return PackedFP16Linear(lin)
+    res = {"qwen1.5b_fp16": _matmul_ms(QWEN15_MATS, fp16, (1, 2, 5, 8))}
+    for name, make in (("fp16", fp16), ("int8", _Int8), ("int4", _Int4)):
+        res[f"qwen0.5b_{name}"] = _matmul_ms(QWEN05_MATS, make, (1, 2))
+    print("kernels (ms):", json.dumps({k: {t: round(v, 1) for t, v in d.items()} for k, d in res.items()}), flush=True)
+    return res
+
+
 def write_md(res: dict, path: str) -> None:
     m = res["machine"]
     lines = ["# Speed-up bounds from measured forward costs", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['threads']} threads, "
-             f"load average {m['load_avg_at_start']:.1f} at start. Measured {res['measured_at']}. "
+             f"load average {m['load_avg_at_start']:.1f} at the last start. Parts measured at (UTC): "
+             + ", ".join(f"{k} {v[:16]}" for k, v in res.get("part_measured_at", {}).items()) + ". "
              "Greedy, batch 1, fp16-packed weights. Written by `benchmarks/spec_bound.py`.", ""]
     if "qwen" in res:
         q = res["qwen"]
@@ -230,6 +301,12 @@ def write_md(res: dict, path: str) -> None:
                          f"{r['tokens_per_step_for_1.3x']:.2f} | {r['mean_step_s'] * 1e3:.0f} | "
                          f"{r['verify_s']['5'] / r['verify_s']['1']:.2f} |")
         lines.append("")
+    if "kernels" in res:
+        lines += ["## Kernels: matmul time over a model's matrices (ms, random weights of the real shapes)", "",
+                  "| matrices, kernel | " + " | ".join(f"T={t}" for t in (1, 2, 5, 8)) + " |", "|---|---:|---:|---:|---:|"]
+        for name, d in res["kernels"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{d[t]:.1f}" if t in d else "" for t in ("1", "2", "5", "8")) + " |")
+        lines.append("")
     notes = path.removesuffix(".md") + ".analysis.md"
     if os.path.exists(notes):
         lines += ["## Analysis", "", open(notes).read()]
@@ -239,7 +316,7 @@ def write_md(res: dict, path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="qs", help="q: Qwen pair, s: SmolLM2 ngram summarization")
+    ap.add_argument("--part", default="qsk", help="q: Qwen pair, s: SmolLM2 ngram summarization, k: kernels")
     ap.add_argument("--prompts", type=int, default=2, help="coding prompts for part q")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec_bound"))
@@ -251,10 +328,15 @@ def main() -> None:
         return
     torch.set_num_threads(os.cpu_count() or 1)
     res = {"machine": machine_info(), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    if "q" in args.part:
-        res["qwen"] = part_q(args.prompts, args.max_tokens)
-    if "s" in args.part:
-        res["smollm2"] = part_s(args.max_tokens)
+    if os.path.exists(args.out + ".json"):           # parts not rerun now are kept
+        with open(args.out + ".json") as f:
+            res = dict(json.load(f), machine=res["machine"], measured_at=res["measured_at"])
+    res.setdefault("part_measured_at", {})
+    for key, letter, fn in (("qwen", "q", lambda: part_q(args.prompts, args.max_tokens)),
+                            ("smollm2", "s", lambda: part_s(args.max_tokens)), ("kernels", "k", part_k)):
+        if letter in args.part:
+            res["part_measured_at"][key] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            res[key] = fn()
     with open(args.out + ".json", "w") as f:
         json.dump(res, f, indent=1)
     write_md(res, args.out + ".md")
