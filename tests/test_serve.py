@@ -31,7 +31,8 @@ from verispec import LLM, SamplingParams  # noqa: E402
 from verispec.drafters.base import DraftRequest  # noqa: E402
 from verispec.drafters.ngram import NgramDrafter  # noqa: E402
 from verispec.engine import Engine, Sequence  # noqa: E402
-from verispec.serve.app import ServeConfig, TextStream, create_app  # noqa: E402
+from verispec.serve.app import ServeConfig, create_app  # noqa: E402
+from verispec.serve.responses import TextStream  # noqa: E402
 from verispec.serve.policy import (AutoPolicy, PolicyDrafter, StaticPolicy, TablePolicy,  # noqa: E402
                                    parse_policy)  # AutoPolicy's own tests: tests/test_policy.py
 from verispec.tree import DraftTree  # noqa: E402
@@ -220,6 +221,75 @@ def test_openai_client_chat_and_stop_strings(plain, llm):
     assert stop[0] not in streamed and reason == "stop" == full.choices[0].finish_reason
 
 
+@pytest.mark.parametrize("which", ["plain", "guarded"])
+def test_openai_client_logprobs_match_llm_generate(servers, llm, which):
+    """Completions (``logprobs: k``) and chat (``logprobs`` + ``top_logprobs``), whole and streamed,
+    report the target's logprobs of every output token, as ``LLM.generate`` does; the guarded server
+    speculates (ngram), so its numbers come from verification forwards."""
+    client = servers[which].client()
+    prompt = PROMPTS[2]                            # emoji: byte-level tokens that hold partial characters
+    ref = _ref(llm, prompt, 16, logprobs=2)
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, logprobs=2)
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ref.token_ids)
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in ref.logprobs], abs=2e-3)
+    assert all(len(top) in (2, 3) and max(top.values()) == pytest.approx(lp_, abs=2e-3)
+               for top, lp_ in zip(lp.top_logprobs, lp.token_logprobs))        # greedy: the best one
+    text = full.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    assert any(t.startswith("bytes:\\x") for t in lp.tokens)          # partial characters are named by bytes
+    for tok, off in zip(lp.tokens, lp.text_offset):
+        assert tok.startswith("bytes:") or text[off:off + len(tok)] == tok
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                              logprobs=2, stream=True))
+    assert [x for ch in streamed if ch.choices and ch.choices[0].logprobs
+            for x in ch.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    cref = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=12, logprobs=3))[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in cref.logprobs], abs=2e-3)
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)
+    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8") == chat.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    got = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.token for c in got] == [c.token for c in content]
+    plain_chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert plain_chat.choices[0].logprobs is None
+
+
+def test_n_choices_whole_and_streamed(plain, llm):
+    """``n`` choices: greedy ones all equal ``LLM.generate``; seeded sampled ones are reproducible
+    (choice i uses seed + i), differ from each other, and stream per index to the same texts."""
+    client = plain.client()
+    prompt = PROMPTS[0]
+    ref = _ref(llm, prompt, 12)
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert all(c.text == ref.text for c in greedy.choices)
+    assert greedy.usage.completion_tokens == 3 * len(ref.token_ids)
+    messages = [{"role": "user", "content": "Tell me a story about a cat."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=16, temperature=1.0, seed=11, n=3)
+    a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    texts = [c.message.content for c in sorted(a.choices, key=lambda c: c.index)]
+    assert texts == [c.message.content for c in sorted(b.choices, key=lambda c: c.index)]
+    assert len(set(texts)) == 3, texts
+    solo = llm.chat(messages, SamplingParams(temperature=1.0, max_tokens=16, seed=12))[0]
+    assert texts[1] == solo.text                                   # choice 1 = seed 12
+    per, reasons, roles = {}, {}, set()
+    for ch in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        for c in ch.choices:
+            roles.update([c.index] if c.delta.role == "assistant" else [])
+            per[c.index] = per.get(c.index, "") + (c.delta.content or "")
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+        if ch.usage is not None:
+            assert ch.usage.completion_tokens == a.usage.completion_tokens
+    assert [per[i] for i in range(3)] == texts and roles == {0, 1, 2}
+    assert all(reasons[i] == a.choices[i].finish_reason for i in range(3))
+
+
 def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
     data = "añb→c STOP".encode()
     tokens = [bytes([b]) for b in data]                    # one byte per token
@@ -252,10 +322,11 @@ def test_16_concurrent_streams_match_their_solo_outputs(plain, llm, spec_bench):
     assert together == solo
 
 
-def test_client_disconnect_mid_stream_frees_its_row(plain):
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_mid_stream_frees_its_row(plain, n):
     before = plain.metrics()
     body = {"model": MODEL, "prompt": "Count from one to one hundred:", "max_tokens": 400, "temperature": 0,
-            "stream": True}
+            "stream": True, "n": n}
     with httpx.stream("POST", plain.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         got = []
@@ -269,12 +340,12 @@ def test_client_disconnect_mid_stream_frees_its_row(plain):
         after = plain.metrics()
         aborted = after['verispec:request_finished_total{finished_reason=abort}'] - \
             before['verispec:request_finished_total{finished_reason=abort}']
-        if aborted >= 1 and after["verispec:num_requests_running"] == 0:
+        if aborted >= n and after["verispec:num_requests_running"] == 0:
             break
         time.sleep(0.2)
-    assert aborted == 1 and after["verispec:num_requests_running"] == 0
+    assert aborted == n and after["verispec:num_requests_running"] == 0      # every choice cancelled
     generated = after["verispec:generation_tokens_total"] - before["verispec:generation_tokens_total"]
-    assert 3 <= generated < 400
+    assert 3 <= generated < 400 * n
 
 
 def test_metrics_parse_and_match_the_work_done(plain):
@@ -341,7 +412,7 @@ def _hostile_field_cases() -> list[tuple[str, str, object, dict | None, set[int]
         "top_k": [-5, "x", 1.5],
         "seed": [2**65, -2**64, "x", 1.5, [1]],
         "stop": [5, [1, 2], [""], ["x"] * 100, "a" * 10000, {"a": 1}],
-        "n": [2, 0, -1, "1", 10**9],
+        "n": [17, 0, -1, "1", 10**9, 1.5],
         "stream": ["yes", 2, None, [True]],
         "stream_options": ["x", {"include_usage": "yes"}, 5],
         "model": ["gpt-4", 123, ["x"]],
@@ -383,13 +454,17 @@ def _hostile_cases(long_prompt: str) -> list[tuple[str, str, object, dict | None
     cases.append(("POST", c, dict(ok_c, prompt=[5] * 300), None, {400}))
     cases.append(("POST", c, dict(ok_c, prompt=[5] * 200, max_tokens=400), None, {400}))
     cases.append(("POST", c, dict(ok_c, prompt="x" * (3 << 20)), None, {413}))
-    for v in (dict(ok_c, echo=True), dict(ok_c, logprobs=2), dict(ok_c, best_of=3), dict(ok_c, suffix="x")):
+    for v in (dict(ok_c, echo=True), dict(ok_c, logprobs=21), dict(ok_c, logprobs=-1), dict(ok_c, logprobs="2"),
+              dict(ok_c, best_of=3), dict(ok_c, suffix="x")):
         cases.append(("POST", c, v, None, {400}))
     for v in ([], "hi", [{}], [{"role": "alien", "content": "x"}], [{"role": "user", "content": 5}],
               [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
               [{"role": "user"}] * 3, [{"content": "x"}], [None], [{"role": "user", "content": long_prompt}]):
         cases.append(("POST", ch, dict(ok_ch, messages=v), None, {200, 400}))
-    for v in (dict(ok_ch, logprobs=True), dict(ok_ch, tools=[{"type": "function"}]),
+    cases.append(("POST", c, dict(ok_c, logprobs=3), None, {200}))
+    cases.append(("POST", ch, dict(ok_ch, logprobs=True, top_logprobs=2, stream=True), None, {200}))
+    for v in (dict(ok_ch, top_logprobs=3), dict(ok_ch, logprobs=True, top_logprobs=21), dict(ok_ch, logprobs="yes"),
+              dict(ok_ch, tools=[{"type": "function"}]),
               dict(ok_ch, response_format={"type": "json_object"}), dict(ok_ch, max_completion_tokens=-3)):
         cases.append(("POST", ch, v, None, {400}))
     for path in ("/v1/models", "/metrics"):

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from .drafters.base import DraftRequest, Drafter, TargetFeatures
+from .logprobs import TokenLogprob, token_logprobs
 from .metrics import SpecStats
 from .models.kv_cache import KVCache
 from .models.transformer import Transformer
@@ -36,6 +37,7 @@ class Sequence:
     on_tokens: Callable[["Sequence", list[int]], None] | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None     # one per output token when params.logprobs is set
     row: int = -1
     finished: bool = False
     finish_reason: str | None = None      # "stop" | "length" | "abort"
@@ -107,7 +109,7 @@ class Engine:
             self.running.append(seq)
             if self.drafter is not None:
                 self.drafter.start(seq.row, list(seq.prompt_ids), feats)
-            self._emit(seq, [seq.root])
+            self._emit(seq, [seq.root], self._logprobs(seq, logits[None], [seq.root]))
 
     def _prefill_batch(self, seqs: list[Sequence]) -> list[tuple[torch.Tensor, TargetFeatures | None]]:
         lens = [len(s.prompt_ids) for s in seqs]
@@ -156,6 +158,12 @@ class Engine:
             return (), False
         return tuple(dict.fromkeys(self.drafter.hidden_layers)), bool(self.drafter.needs_last_hidden)
 
+    @staticmethod
+    def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
+        """Entries for ``tokens`` emitted from the rows of ``logits`` (when the request asks)."""
+        k = seq.params.logprobs
+        return None if k is None else token_logprobs(logits, tokens, k)
+
     def _sample(self, logits: torch.Tensor, seq: Sequence) -> int:
         if seq.params.greedy:
             return int(logits.argmax())
@@ -186,7 +194,7 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.accept(seq.row, committed, self._features(out, b, keep))
             seq.root = res.tokens[-1]
-            self._emit(seq, res.tokens)
+            self._emit(seq, res.tokens, self._logprobs(seq, out.logits[b, keep], res.tokens))
         t3 = time.perf_counter()
         self.stats.draft_time_s += t1 - t0
         self.stats.verify_time_s += t2 - t1
@@ -248,16 +256,21 @@ class Engine:
                               out.last_hidden[b, keep] if want_last else None)
 
     # ------------------------------------------------------------------ output and retirement
-    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
-        """Append tokens up to the first stop condition; notify; retire if finished."""
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append tokens (and their logprobs) up to the first stop condition; notify; retire if
+        finished."""
         new: list[int] = []
         p = seq.params
-        for tok in tokens:
+        if logprobs is not None and seq.logprobs is None:
+            seq.logprobs = []
+        for i, tok in enumerate(tokens):
             if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
                 self._finish(seq, "stop")
                 break
             new.append(tok)
             seq.output_ids.append(tok)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             if p.stop and self._hit_stop_string(seq):
                 self._finish(seq, "stop")
                 break

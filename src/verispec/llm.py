@@ -13,6 +13,7 @@ import torch
 
 from .drafters import build_drafter_factory
 from .engine import Engine, Sequence
+from .logprobs import TokenLogprob
 from .metrics import SpecStats
 from .models.loading import LoadedModel, load_model
 from .sampling import SamplingParams
@@ -46,6 +47,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None     # per output token, when SamplingParams.logprobs is set
 
 
 class LLM:
@@ -158,4 +160,5 @@ class LLM:
             acceptance_rate_per_pos=st.acceptance_rate_per_pos, draft_time_s=st.draft_time_s,
             verify_time_s=st.verify_time_s)
         return RequestOutput(seq.seq_id, prompt_text, list(seq.prompt_ids), text, list(seq.output_ids),
-                             seq.finish_reason or "length", m)
+                             seq.finish_reason or "length", m,
+                             list(seq.logprobs) if seq.logprobs is not None else None)

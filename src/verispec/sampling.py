@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .logprobs import MAX_LOGPROBS
+
 
 @dataclass
 class SamplingParams:
@@ -17,6 +19,8 @@ class SamplingParams:
 
     temperature 0 means greedy. ``top_k`` <= 0 and ``top_p`` == 1 disable those filters.
     ``stop``: strings that end generation (not included in the text). ``seed``: per-request RNG.
+    ``logprobs``: None (default) reports nothing; ``k`` in 0..20 reports each output token's
+    log-probability under the target and the ``k`` most likely alternatives (see ``logprobs``).
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -26,6 +30,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +46,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

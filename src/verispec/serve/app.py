@@ -6,20 +6,19 @@
 
 Contract
 - Request bodies are validated by the pydantic models of ``protocol``; unknown fields are ignored (as
-  OpenAI does); invalid JSON, wrong types, out-of-range values, ``n != 1`` and features this
-  server lacks (logprobs, penalties, tools, ...) give 400 in OpenAI's error shape
+  OpenAI does); invalid JSON, wrong types, out-of-range values and features this server lacks
+  (penalties, tools, echo, ...) give 400 in OpenAI's error shape
   ``{"error": {"message", "type", "param", "code"}}``. Every error response has that shape.
 - A prompt over ``max_prompt_tokens``, or prompt + ``max_tokens`` over ``max_model_len``: 400
-  saying the limit. Bodies over ``max_body_bytes``: 413. Queue full: 429. Unknown model: 404.
-  Wrong or missing ``Authorization: Bearer <api_key>`` when a key is set: 401.
-- Text is the decoded output cut at the first stop string, as ``LLM.generate`` returns it.
-  Streaming sends one chunk per engine step (the new suffix of the decoded output, held back
-  while it ends in an incomplete character or in a possible start of a stop string), so the
-  concatenated deltas equal the non-streamed text. Errors after the stream started are sent as
-  ``data: {"error": ...}`` followed by ``data: [DONE]``.
-- A client that goes away (mid-stream or while waiting) cancels its request.
-- ``response_cache`` > 0: greedy (temperature 0) requests are answered from an LRU of that many
-  entries keyed by everything that determines the output.
+  saying the limit. Bodies over ``max_body_bytes``: 413. Queue full (no room for all ``n``
+  choices): 429. Unknown model: 404. Wrong or missing ``Authorization: Bearer <api_key>`` when a
+  key is set: 401.
+- ``n`` choices are ``n`` engine requests decoded in the running batch (with a ``seed``, choice i
+  uses seed + i). Text, streaming, logprobs and cancellation: see ``responses``.
+- ``response_cache`` > 0: greedy (temperature 0) requests without logprobs are answered from an
+  LRU of that many entries keyed by everything that determines the output.
+- ``logprobs`` (completions) / ``logprobs`` + ``top_logprobs`` (chat): the target's raw
+  log-probabilities of every output token, in OpenAI's shapes (``logprob_format``).
 """
 from __future__ import annotations
 
@@ -30,21 +29,24 @@ import json
 import threading
 import time
 import uuid
+import dataclasses
 from collections import OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llm import LLM
 from ..sampling import SamplingParams
+from .logprob_format import TokenTexts
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .policy import SpecPolicy
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Common
+from .responses import ClientGone, Shape, error_body, make_choices, respond
 from .scheduler import NotAccepting, QueueFull, RequestFailed, Scheduler, TokenEvent
 
 # ---------------------------------------------------------------------------- configuration
@@ -73,55 +75,9 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
                    param: str | None = None, code: Any = None) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status)
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response started."""
-
-
-# ---------------------------------------------------------------------------- text streaming
-def cut_at_stop(text: str, stop: list[str]) -> str:
-    """The text ``LLM.generate`` returns: cut at each stop string in turn."""
-    for s in stop:
-        i = text.find(s)
-        if i >= 0:
-            text = text[:i]
-    return text
-
-
-class TextStream:
-    """Turns token-id increments into text deltas whose concatenation is the final text."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
-        self.decode, self.stop = decode, stop
-        self.ids: list[int] = []
-        self.sent = 0
-        self.text = ""
-
-    def push(self, new_ids: list[int], finished: bool) -> str:
-        self.ids.extend(new_ids)
-        text = self.decode(self.ids)
-        if finished:
-            self.text = cut_at_stop(text, self.stop)
-            safe = len(self.text)
-        else:                  # hold back a partial character and a possible start of a stop string
-            safe = len(text.rstrip("\ufffd"))
-            head, hold = text[:safe], 0
-            for s in self.stop:
-                hold = next((n for n in range(min(len(s) - 1, safe), hold, -1) if head.endswith(s[:n])), hold)
-            safe -= hold
-            self.text = text
-        if safe <= self.sent:
-            return ""
-        delta, self.sent = self.text[self.sent:safe], safe
-        return delta
 
 
 # ---------------------------------------------------------------------------- the server
@@ -134,6 +90,7 @@ class _Server:
         self.scheduler: Scheduler | None = None
         self.cache: OrderedDict[tuple, tuple[list[int], str]] = OrderedDict()
         self.tok_lock = threading.Lock()
+        self.token_texts = TokenTexts(llm.tokenizer, self.tok_lock)
         self.created = int(time.time())
         self.names = {cfg.model_name, llm.target.name, str(llm.target.path)}
 
@@ -216,13 +173,14 @@ class _Server:
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k is None else req.top_k, max_tokens=max_tokens,
                 seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-                stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
+                stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+                logprobs=req.logprob_count())
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
     # -- generation ------------------------------------------------------------------------
     def cache_key(self, ids: list[int], p: SamplingParams) -> tuple | None:
-        if self.cfg.response_cache <= 0 or not p.greedy:
+        if self.cfg.response_cache <= 0 or not p.greedy or p.logprobs is not None:
             return None
         return (tuple(ids), p.max_tokens, tuple(p.stop), tuple(p.stop_token_ids), p.ignore_eos)
 
@@ -241,21 +199,31 @@ class _Server:
         while len(self.cache) > self.cfg.response_cache:
             self.cache.popitem(last=False)
 
-    def submit(self, ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
-        """Events of a new request, or of a cached answer."""
+    def submit(self, ids: list[int], params: SamplingParams, n: int = 1) -> list[AsyncIterator[TokenEvent]]:
+        """Events of ``n`` choices: new requests (queued all or none; with a seed, choice i uses
+        seed + i) or cached answers."""
         key = self.cache_key(ids, params)
         hit = self.cache_get(key)
         if hit is not None:
-            return _replay(hit)
+            return [_replay(hit) for _ in range(n)]
         if self.scheduler is None:
             raise APIError(503, "the server is not running", "service_unavailable")
+        group = [params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
+                 for i in range(n)]
         try:
-            handle = self.scheduler.submit(ids, params)
+            handles = self.scheduler.submit_group(ids, group)
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error", code="queue_full") from e
         except NotAccepting as e:
             raise APIError(503, str(e), "service_unavailable") from e
-        return self._recording(self.scheduler.events(handle), key)
+        return [self._recording(self.scheduler.events(h), key) for h in handles]
+
+    async def answer(self, request: Request, req: _Common, ids: list[int], params: SamplingParams,
+                     shape: Shape) -> Response:
+        """Submit ``req.n`` choices and respond (whole or streamed)."""
+        choices = make_choices(self.submit(ids, params, req.n), params, shape.chat, self.decode, self.token_texts.get)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await respond(request, choices, shape, len(ids), req.stream, include_usage)
 
     async def _recording(self, events: AsyncIterator[TokenEvent], key: tuple | None) -> AsyncIterator[TokenEvent]:
         ids: list[int] = []
@@ -269,125 +237,6 @@ class _Server:
 
 async def _replay(hit: tuple[list[int], str]) -> AsyncIterator[TokenEvent]:
     yield TokenEvent(list(hit[0]), True, hit[1])
-
-
-async def race_disconnect(request: Request, coro) -> Any:
-    """Await ``coro``; if the client disconnects first, cancel it and raise ``ClientGone``."""
-    async def until_disconnected() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.5)
-    task = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(until_disconnected())
-    try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    raise ClientGone()
-
-
-# ---------------------------------------------------------------------------- responses
-@dataclass
-class _Shape:
-    """How one endpoint names and wraps its outputs."""
-    chat: bool
-    rid: str
-    created: int
-    model: str
-
-    def full(self, text: str, reason: str, usage: dict) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": usage}
-
-    def chunk(self, delta: str | None, reason: str | None, usage: Any = False, role: bool = False) -> dict:
-        if self.chat:
-            d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-            choices = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]
-        else:
-            choices = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}]
-        out = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.model, "choices": choices}
-        if usage is not False:
-            out["usage"] = usage
-        return out
-
-    def usage_chunk(self, usage: dict) -> dict:
-        out = self.chunk(None, None, usage)
-        out["choices"] = []
-        return out
-
-
-def _usage(n_prompt: int, n_out: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-
-
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class SSEResponse(StreamingResponse):
-    """A streaming response that always closes its body iterator (so the request is cancelled
-    when the client goes away, whichever way the server notices)."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-async def respond(srv: _Server, request: Request, req: _Common, ids: list[int],
-                  params: SamplingParams, shape: _Shape) -> Response:
-    events = srv.submit(ids, params)
-    stream = TextStream(srv.decode, params.stop)
-    if not req.stream:
-        async def collect() -> str | None:
-            out: list[int] = []
-            async with contextlib.aclosing(events):
-                async for ev in events:
-                    out.extend(ev.token_ids)
-                    if ev.finished:
-                        stream.push(out, True)          # decode once, at the end
-                        return ev.finish_reason
-            raise RuntimeError("the event stream ended without a finished event")
-        reason = await race_disconnect(request, collect())
-        return JSONResponse(shape.full(stream.text, reason or "stop", _usage(len(ids), len(stream.ids))))
-    first = await race_disconnect(request, events.__anext__())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    body = _sse_body(events, first, stream, shape, len(ids), include_usage)
-    return SSEResponse(body, media_type="text/event-stream",
-                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-async def _sse_body(events: AsyncIterator[TokenEvent], first: TokenEvent, stream: TextStream,
-                    shape: _Shape, n_prompt: int, include_usage: bool) -> AsyncIterator[str]:
-    usage_field: Any = None if include_usage else False
-    async with contextlib.aclosing(events):
-        try:
-            if shape.chat:
-                yield _sse(shape.chunk(None, None, usage_field, role=True))
-            ev = first
-            while True:
-                delta = stream.push(ev.token_ids, ev.finished)
-                if delta or ev.finished:
-                    yield _sse(shape.chunk(delta, ev.finish_reason if ev.finished else None, usage_field))
-                if ev.finished:
-                    break
-                ev = await events.__anext__()
-            if include_usage:
-                yield _sse(shape.usage_chunk(_usage(n_prompt, len(stream.ids))))
-        except RequestFailed as e:
-            yield _sse(error_body(e.event.message, e.event.type, None, e.event.status))
-        yield _sse("[DONE]")
 
 
 # ---------------------------------------------------------------------------- middleware
@@ -521,8 +370,8 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
         ids = await srv.completion_prompt(body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         params = srv.sampling_params(body, len(ids), max_tokens, "prompt")
-        shape = _Shape(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), cfg.model_name)
-        return await respond(srv, request, body, ids, params, shape)
+        return await srv.answer(request, body, ids, params, Shape(False, f"cmpl-{uuid.uuid4().hex}",
+                                                                  int(time.time()), cfg.model_name))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -531,8 +380,8 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
         ids = await srv.chat_prompt(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = srv.sampling_params(body, len(ids), max_tokens, "messages")
-        shape = _Shape(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), cfg.model_name)
-        return await respond(srv, request, body, ids, params, shape)
+        return await srv.answer(request, body, ids, params, Shape(True, f"chatcmpl-{uuid.uuid4().hex}",
+                                                                  int(time.time()), cfg.model_name))
 
     return app
 

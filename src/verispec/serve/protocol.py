@@ -2,7 +2,9 @@
 
 Unknown fields are kept and ignored (as OpenAI does); wrong types and out-of-range values fail
 validation (the app answers 400). ``unsupported()`` names a valid field value this server cannot
-honour (n > 1, penalties, logprobs, tools, ...), or returns None.
+honour (penalties, echo, tools, ...), or returns None. ``n`` (1..16) choices are separate
+engine requests. ``logprob_count()``: how many top
+logprobs the request asks for (None: no logprobs).
 """
 from __future__ import annotations
 
@@ -10,8 +12,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from ..logprobs import MAX_LOGPROBS
+
 Float = Annotated[float, Field(allow_inf_nan=False)]
 Seed = Annotated[StrictInt, Field(ge=-2**63, le=2**64 - 1)]
+MAX_N = 16                  # choices per request (each is one engine request)
+TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 StopList = Annotated[list[Annotated[str, Field(max_length=512)]], Field(max_length=16)]
 
 
@@ -30,7 +36,7 @@ class _Common(BaseModel):
     stop: Annotated[str, Field(max_length=512)] | StopList | None = None
     stop_token_ids: Annotated[list[StrictInt], Field(max_length=64)] | None = None
     ignore_eos: StrictBool = False
-    n: StrictInt = 1
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -40,12 +46,13 @@ class _Common(BaseModel):
 
     def unsupported(self) -> str | None:
         """Why this request asks for something this server cannot do, or None."""
-        if self.n != 1:
-            return f"n must be 1 (one choice per request is supported), got {self.n}"
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty and frequency_penalty are not supported"
         if self.logit_bias:
             return "logit_bias is not supported"
+        return None
+
+    def logprob_count(self) -> int | None:
         return None
 
 
@@ -54,12 +61,15 @@ class CompletionRequest(_Common):
     echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
-    logprobs: StrictInt | None = None
+    logprobs: TopLogprobs | None = None
 
     def unsupported(self) -> str | None:
-        if self.echo or self.suffix or self.logprobs is not None or self.best_of not in (None, 1):
-            return "echo, suffix, logprobs and best_of are not supported"
+        if self.echo or self.suffix or self.best_of not in (None, 1):
+            return "echo, suffix and best_of are not supported"
         return super().unsupported()
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -83,15 +93,18 @@ class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs are not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs needs logprobs: true"
         if self.tools:
             return "tools are not supported"
         if self.response_format and self.response_format.get("type") != "text":
             return "response_format other than {'type': 'text'} is not supported"
         return super().unsupported()
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

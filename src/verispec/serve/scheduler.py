@@ -37,6 +37,7 @@ from typing import AsyncIterator, Callable
 
 from ..engine import Engine, Sequence
 from ..llm import LLM
+from ..logprobs import TokenLogprob
 from ..sampling import SamplingParams
 from .metrics import ServerMetrics
 from .policy import PolicyDrafter, SpecPolicy
@@ -58,6 +59,7 @@ class TokenEvent:
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None     # one per token id, when the request asked
 
 
 @dataclass(frozen=True)
@@ -134,18 +136,24 @@ class Scheduler:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
         """Queue a validated request; call from the event loop that will read its events."""
+        return self.submit_group(prompt_ids, [params])[0]
+
+    def submit_group(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[EngineRequest]:
+        """Queue one request per ``params`` (the ``n`` choices of one API request): all of them,
+        or none when the queue has no room for all."""
         deadline = time.perf_counter() + self.request_timeout if self.request_timeout else None
-        req = EngineRequest(list(prompt_ids), params, asyncio.get_running_loop(), deadline)
+        loop = asyncio.get_running_loop()
+        reqs = [EngineRequest(list(prompt_ids), p, loop, deadline) for p in params]
         with self._cond:
             if not self._accepting:
                 raise NotAccepting("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) + len(reqs) > self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting "
                                 f"(--max-queue {self.max_queue}); retry later")
-            self._waiting.append(req)
+            self._waiting.extend(reqs)
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify()
-        return req
+        return reqs
 
     def cancel(self, req: EngineRequest) -> None:
         """Abort ``req`` between steps (no-op when it already ended)."""
@@ -344,11 +352,12 @@ class Scheduler:
         if new:
             self.metrics.observe_tokens(len(new), since_last, now - req.arrival)
             req.last_emit = now
+        lps = None if seq.logprobs is None else seq.logprobs[len(seq.logprobs) - len(new):]
         if seq.finished:
             self._active.pop(seq.seq_id, None)
-            self._finish(req, TokenEvent(list(new), True, seq.finish_reason), seq.finish_reason or "stop")
+            self._finish(req, TokenEvent(list(new), True, seq.finish_reason, lps), seq.finish_reason or "stop")
         else:
-            self._put(req, TokenEvent(list(new), False, None))
+            self._put(req, TokenEvent(list(new), False, None, lps))
 
     def _finish(self, req: EngineRequest, event: TokenEvent | ErrorEvent, reason: str) -> None:
         if req.done:

@@ -1,0 +1,289 @@
+"""Responses of the two completion endpoints: one JSON body or server-sent events, ``n`` choices.
+
+Contract
+- Each choice is one engine request with its own ``TokenEvent`` stream. Its text is the decoded
+  output cut at the first stop string, as ``LLM.generate`` returns it.
+- Whole responses list the choices by ``index``; ``usage.completion_tokens`` sums over them.
+- Streams send one chunk per engine step and choice (the new suffix of that choice's text, held
+  back while it ends in an incomplete character or a possible start of a stop string), so the
+  concatenated deltas of a choice equal its whole text. Chat streams open each choice with a
+  ``role`` chunk. ``stream_options.include_usage``: every chunk has ``usage: null`` and a last
+  chunk with no choices carries the totals. Then ``data: [DONE]``.
+- Logprobs (when asked) go with the chunk that sends the text of their tokens.
+- An error after the stream started is sent as ``data: {"error": ...}``, then ``[DONE]``.
+- A client that goes away (while waiting or mid-stream) cancels every choice's request.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..sampling import SamplingParams
+from .logprob_format import LogprobFormatter
+from .scheduler import RequestFailed, TokenEvent
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+# ---------------------------------------------------------------------------- text streaming
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """The text ``LLM.generate`` returns: cut at each stop string in turn."""
+    for s in stop:
+        i = text.find(s)
+        if i >= 0:
+            text = text[:i]
+    return text
+
+
+class TextStream:
+    """Turns token-id increments into text deltas whose concatenation is the final text."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
+        self.decode, self.stop = decode, stop
+        self.ids: list[int] = []
+        self.sent = 0
+        self.text = ""
+
+    def push(self, new_ids: list[int], finished: bool) -> str:
+        self.ids.extend(new_ids)
+        text = self.decode(self.ids)
+        if finished:
+            self.text = cut_at_stop(text, self.stop)
+            safe = len(self.text)
+        else:                  # hold back a partial character and a possible start of a stop string
+            safe = len(text.rstrip("\ufffd"))
+            head, hold = text[:safe], 0
+            for s in self.stop:
+                hold = next((n for n in range(min(len(s) - 1, safe), hold, -1) if head.endswith(s[:n])), hold)
+            safe -= hold
+            self.text = text
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent:safe], safe
+        return delta
+
+
+async def race_disconnect(request: Request, coro) -> Any:
+    """Await ``coro``; if the client disconnects first, cancel it and raise ``ClientGone``."""
+    async def until_disconnected() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.5)
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(until_disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone()
+
+
+# ---------------------------------------------------------------------------- shapes
+@dataclass
+class Shape:
+    """How one endpoint names and wraps its outputs."""
+    chat: bool
+    rid: str
+    created: int
+    model: str
+
+    def choice(self, index: int, text: str, reason: str, logprobs: dict | None) -> dict:
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    def full(self, choices: list[dict], usage: dict) -> dict:
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": usage}
+
+    def chunk(self, index: int, delta: str | None, reason: str | None, usage: Any = False, role: bool = False,
+              logprobs: dict | None = None) -> dict:
+        if self.chat:
+            d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            choices = [{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": reason}]
+        else:
+            choices = [{"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}]
+        out = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if usage is not False:
+            out["usage"] = usage
+        return out
+
+    def usage_chunk(self, usage: dict) -> dict:
+        out = self.chunk(0, None, None, usage)
+        out["choices"] = []
+        return out
+
+
+def usage(n_prompt: int, n_out: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its body iterator (so the requests are cancelled
+    when the client goes away, whichever way the server notices)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+# ---------------------------------------------------------------------------- choices
+@dataclass
+class Choice:
+    """One choice's events, text and logprobs."""
+    index: int
+    events: AsyncIterator[TokenEvent]
+    stream: TextStream
+    lp: LogprobFormatter | None
+    pending: list = field(default_factory=list)      # logprob entries whose text is not sent yet
+    reason: str | None = None
+
+    def push(self, ev: TokenEvent) -> tuple[str, dict | None] | None:
+        """(delta, logprobs) to send for ``ev``, or None when nothing is to be sent yet."""
+        delta = self.stream.push(ev.token_ids, ev.finished)
+        self.pending.extend(ev.logprobs or [])
+        if ev.finished:
+            self.reason = ev.finish_reason or "stop"
+        if not (delta or ev.finished):
+            return None
+        logprobs = self.lp.format(self.pending) if self.lp else None
+        self.pending = []
+        return delta, logprobs
+
+    async def collect(self) -> None:
+        """Read every event; decode once at the end."""
+        out: list[int] = []
+        async with contextlib.aclosing(self.events):
+            async for ev in self.events:
+                out.extend(ev.token_ids)
+                self.pending.extend(ev.logprobs or [])
+                if ev.finished:
+                    self.stream.push(out, True)
+                    self.reason = ev.finish_reason or "stop"
+                    return
+        raise RuntimeError("the event stream ended without a finished event")
+
+
+def make_choices(streams: list[AsyncIterator[TokenEvent]], params: SamplingParams, chat: bool,
+                 decode: Callable[[list[int]], str], token_texts: Callable) -> list[Choice]:
+    return [Choice(i, ev, TextStream(decode, params.stop),
+                   LogprobFormatter(chat, token_texts) if params.logprobs is not None else None)
+            for i, ev in enumerate(streams)]
+
+
+async def respond(request: Request, choices: list[Choice], shape: Shape, n_prompt: int,
+                  stream: bool, include_usage: bool) -> Response:
+    """The whole response, or an SSE stream once every choice has its first event (so an error
+    before any token still gets its HTTP status)."""
+    if not stream:
+        async def collect_all() -> None:
+            results = await asyncio.gather(*(c.collect() for c in choices), return_exceptions=True)
+            await _close_all(choices)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+        try:
+            await race_disconnect(request, collect_all())
+        finally:
+            await _close_all(choices)
+        body = []
+        for c in choices:
+            logprobs = await asyncio.to_thread(c.lp.format, c.pending) if c.lp else None
+            body.append(shape.choice(c.index, c.stream.text, c.reason or "stop", logprobs))
+        return JSONResponse(shape.full(body, usage(n_prompt, sum(len(c.stream.ids) for c in choices))))
+    async def first_events() -> list[TokenEvent]:
+        got = await asyncio.gather(*(c.events.__anext__() for c in choices), return_exceptions=True)
+        bad = next((g for g in got if isinstance(g, BaseException)), None)
+        if bad is not None:
+            raise bad
+        return got
+    try:
+        firsts = await race_disconnect(request, first_events())
+    except BaseException:
+        await _close_all(choices)
+        raise
+    return SSEResponse(_sse_body(choices, firsts, shape, n_prompt, include_usage), media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _merged(choices: list[Choice], firsts: list[TokenEvent]) -> AsyncIterator[tuple[Choice, TokenEvent]]:
+    """(choice, event) pairs in arrival order, each choice's first event first; raises a
+    choice's ``RequestFailed``; closing it closes every choice's events (cancelling them)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async for ev in c.events:
+                await queue.put((c, ev))
+        except BaseException as e:   # noqa: BLE001 - handed to the reader
+            await queue.put((c, e))
+
+    for c, ev in zip(choices, firsts):
+        yield c, ev
+    live = [c for c, ev in zip(choices, firsts) if not ev.finished]
+    tasks = [asyncio.ensure_future(pump(c)) for c in live]
+    try:
+        while live:
+            c, ev = await queue.get()
+            if isinstance(ev, BaseException):
+                raise ev
+            if ev.finished:
+                live.remove(c)
+            yield c, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close_all(choices)
+
+
+async def _close_all(choices: list[Choice]) -> None:
+    """Close every choice's events (cancelling unfinished requests); never raises."""
+    for c in choices:
+        with contextlib.suppress(Exception):
+            await c.events.aclose()
+
+
+async def _sse_body(choices: list[Choice], firsts: list[TokenEvent], shape: Shape, n_prompt: int,
+                    include_usage: bool) -> AsyncIterator[str]:
+    usage_field: Any = None if include_usage else False
+    events = _merged(choices, firsts)
+    async with contextlib.aclosing(events):
+        try:
+            if shape.chat:
+                for c in choices:
+                    yield sse(shape.chunk(c.index, None, None, usage_field, role=True))
+            async for c, ev in events:
+                out = c.push(ev)
+                if out is not None:
+                    yield sse(shape.chunk(c.index, out[0], c.reason if ev.finished else None, usage_field,
+                                          logprobs=out[1]))
+            if include_usage:
+                yield sse(shape.usage_chunk(usage(n_prompt, sum(len(c.stream.ids) for c in choices))))
+        except RequestFailed as e:
+            yield sse(error_body(e.event.message, e.event.type, None, e.event.status))
+        yield sse("[DONE]")
