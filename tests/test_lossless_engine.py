@@ -211,3 +211,49 @@ def test_real_model_sampled_self_draft_is_lossless(target, real_context):
         counts[key] = counts.get(key, 0) + 1
     first = set(torch.nonzero(step.p_next(()) > 0).flatten().tolist())
     assert _pvalue(counts, step.exact_joint(first)) > P_BOUND
+
+
+def _exact_tiny_penalized(model, prompt, params, length=3) -> dict:
+    """Exact joint of the first ``length`` tokens under sequential sampling with penalties, the
+    penalties written out here token by token (independent of ``verispec.penalties``)."""
+    out = {}
+    rp, f, r = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+    with torch.no_grad():
+        for seq in itertools.product(range(model.cfg.vocab_size), repeat=length):
+            pr = 1.0
+            for i in range(length):
+                ids, gen = prompt + list(seq[:i]), list(seq[:i])
+                logits = model(torch.tensor([ids]), torch.arange(len(ids))[None]).logits[0, -1].clone()
+                for t in set(ids):
+                    logits[t] = logits[t] / rp if logits[t] > 0 else logits[t] * rp
+                for t in set(gen):
+                    logits[t] -= f * gen.count(t) + r
+                pr *= float(target_probs(logits, params)[seq[i]])
+                if pr == 0:
+                    break
+            out[seq] = pr
+    return out
+
+
+@pytest.mark.parametrize("tree", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]], ids=["chain", "tree"])
+def test_engine_is_lossless_with_penalties_and_min_p(tree, single_thread):
+    """Repetition, frequency and presence penalties (per tree node: the node's own root path
+    counts as generated) and min-p: the engine's output joint equals sequential penalised sampling."""
+    target, draft = _tiny(0), _tiny(0, noise=0.3)
+    prompt = [1, 2, 3, 1, 2]
+    params = SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.3, frequency_penalty=1.2,
+                            presence_penalty=1.0, max_tokens=5, ignore_eos=True)
+    n, batch = 3000, 500
+    drafter = DraftModelDrafter(draft, max_batch=batch, max_len=16, num_speculative_tokens=2, tree=tree)
+    engine = Engine(target, drafter, max_batch=batch, max_len=16 + drafter.max_tree_nodes + 2)
+    seqs = [Sequence(prompt_ids=prompt, params=SamplingParams(**{**vars(params), "seed": i})) for i in range(n)]
+    with torch.no_grad():
+        engine.run(seqs)
+    assert engine.stats.num_accepted_tokens > 0.1 * engine.stats.num_drafts
+    counts: dict = {}
+    for s in seqs:
+        counts[tuple(s.output_ids[:3])] = counts.get(tuple(s.output_ids[:3]), 0) + 1
+    exact = _exact_tiny_penalized(target, prompt, params)
+    assert _pvalue(counts, exact) > P_BOUND
+    plain = _exact_tiny(target, prompt, SamplingParams(temperature=1.0, max_tokens=5))
+    assert sum(abs(exact[k] - plain[k]) for k in exact) > 0.2      # the penalties matter here

@@ -260,6 +260,18 @@ def test_openai_client_logprobs_match_llm_generate(servers, llm, which):
     assert plain_chat.choices[0].logprobs is None
 
 
+@pytest.mark.parametrize("which", ["plain", "guarded"])
+def test_penalties_and_min_p_match_llm_generate(servers, llm, which):
+    client = servers[which].client()
+    kw = dict(presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.2)
+    ref = _ref(llm, PROMPTS[1], 16, **kw)
+    assert ref.token_ids != _ref(llm, PROMPTS[1], 16).token_ids          # the penalties matter here
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                    presence_penalty=0.5, frequency_penalty=0.4,
+                                    extra_body={"repetition_penalty": 1.2, "min_p": 0.05})
+    assert out.choices[0].text == ref.text
+
+
 def test_n_choices_whole_and_streamed(plain, llm):
     """``n`` choices: greedy ones all equal ``LLM.generate``; seeded sampled ones are reproducible
     (choice i uses seed + i), differ from each other, and stream per index to the same texts."""
@@ -419,8 +431,14 @@ def _hostile_field_cases() -> list[tuple[str, str, object, dict | None, set[int]
         "stop_token_ids": ["x", [1.5], list(range(1000))],
         "ignore_eos": ["no", 3],
         "logit_bias": [{"1": 5}, "x"],
-        "presence_penalty": [1.0, "x"],
-        "frequency_penalty": [2.0],
+        "presence_penalty": [2.5, "x", float("nan")],
+        "frequency_penalty": [-2.1],
+        "repetition_penalty": [0, -1, "x", 1000],
+        "min_p": [1.5, -0.1, "x"],
+        "min_tokens": [5],
+        "use_beam_search": [True],
+        "guided_json": [{"type": "object"}],
+        "include_stop_str_in_output": [True],
     }
     for base, path in ((_OK_C, _C), (_OK_CH, _CH)):
         for field, values in bad_common.items():
@@ -439,6 +457,8 @@ def _hostile_field_cases() -> list[tuple[str, str, object, dict | None, set[int]
             cases.append(("POST", path, base, hdr, {401}))
         cases.append(("POST", path, dict(base, unknown_field=1, metadata={"x": [1]}), None, {200}))
         cases.append(("POST", path, dict(base, max_tokens=1, stream=True), None, {200}))
+        cases.append(("POST", path, dict(base, presence_penalty=1.0, frequency_penalty=-0.5, repetition_penalty=1.2,
+                                         min_p=0.1, min_tokens=0, use_beam_search=False), None, {200}))
         cases.append(("POST", path, dict(base, max_tokens=600), None, {400}))
         cases.append(("GET", path, None, None, {405}))
     return cases

@@ -21,6 +21,7 @@ from .logprobs import TokenLogprob, token_logprobs
 from .metrics import SpecStats
 from .models.kv_cache import KVCache
 from .models.transformer import Transformer
+from .penalties import apply_penalties, penalized
 from .sampling import SamplingParams, make_generator, sample, target_probs
 from .tree import DraftTree
 from .verify import accept
@@ -105,7 +106,7 @@ class Engine:
                 seq.row = -1
             raise
         for seq, (logits, feats) in zip(seqs, results):
-            seq.root = self._sample(logits, seq)
+            seq.root = self._sample(self._penalize(seq, logits[None])[0], seq)
             self.running.append(seq)
             if self.drafter is not None:
                 self.drafter.start(seq.row, list(seq.prompt_ids), feats)
@@ -159,6 +160,13 @@ class Engine:
         return tuple(dict.fromkeys(self.drafter.hidden_layers)), bool(self.drafter.needs_last_hidden)
 
     @staticmethod
+    def _penalize(seq: Sequence, logits: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
+        """The target rows the request samples from: penalised when it asks for penalties."""
+        if not penalized(seq.params):
+            return logits
+        return apply_penalties(logits, seq.params, seq.prompt_ids, seq.output_ids, tree)
+
+    @staticmethod
     def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
         """Entries for ``tokens`` emitted from the rows of ``logits`` (when the request asks)."""
         k = seq.params.logprobs
@@ -184,7 +192,8 @@ class Engine:
         t2 = time.perf_counter()
         # 3) accept, compact, hand the drafter its tokens and features, emit
         for b, (seq, tree) in enumerate(zip(seqs, trees)):
-            res = self._accept(tree, out.logits[b, :len(tree) + 1], seq.params, seq.generator)
+            logits = self._penalize(seq, out.logits[b, :len(tree) + 1], tree)
+            res = self._accept(tree, logits, seq.params, seq.generator)
             keep = torch.tensor([0] + [n + 1 for n in res.nodes])
             self.cache.compact(seq.row, keep)
             committed = [seq.root] + res.tokens[:-1]

@@ -21,6 +21,10 @@ class SamplingParams:
     ``stop``: strings that end generation (not included in the text). ``seed``: per-request RNG.
     ``logprobs``: None (default) reports nothing; ``k`` in 0..20 reports each output token's
     log-probability under the target and the ``k`` most likely alternatives (see ``logprobs``).
+    ``min_p``: drop tokens below ``min_p`` x the top token's probability (after temperature and
+    top-k, before top-p). ``presence_penalty`` / ``frequency_penalty`` (-2..2, generated tokens)
+    and ``repetition_penalty`` (> 0, prompt and generated tokens) change the target logits
+    (see ``penalties``); speculation stays lossless with respect to the penalised target.
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -31,6 +35,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +54,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
@@ -56,7 +71,7 @@ class SamplingParams:
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Distribution [..., V] (float32) after temperature, top-k and top-p. Greedy: one-hot argmax."""
+    """Distribution [..., V] (float32) after temperature, top-k, min-p and top-p. Greedy: one-hot argmax."""
     logits = logits.float()
     if params.greedy:
         out = torch.zeros_like(logits)
@@ -66,6 +81,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     if params.top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         cum = sorted_p.cumsum(-1)

@@ -7,7 +7,7 @@
 Contract
 - Request bodies are validated by the pydantic models of ``protocol``; unknown fields are ignored (as
   OpenAI does); invalid JSON, wrong types, out-of-range values and features this server lacks
-  (penalties, tools, echo, ...) give 400 in OpenAI's error shape
+  (``logit_bias``, tools, echo, beam search, guided decoding, ...) give 400 in OpenAI's error shape
   ``{"error": {"message", "type", "param", "code"}}``. Every error response has that shape.
 - A prompt over ``max_prompt_tokens``, or prompt + ``max_tokens`` over ``max_model_len``: 400
   saying the limit. Bodies over ``max_body_bytes``: 413. Queue full (no room for all ``n``
@@ -174,7 +174,9 @@ class _Server:
                 top_k=-1 if req.top_k is None else req.top_k, max_tokens=max_tokens,
                 seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                logprobs=req.logprob_count())
+                logprobs=req.logprob_count(), min_p=req.min_p or 0.0,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
@@ -182,7 +184,8 @@ class _Server:
     def cache_key(self, ids: list[int], p: SamplingParams) -> tuple | None:
         if self.cfg.response_cache <= 0 or not p.greedy or p.logprobs is not None:
             return None
-        return (tuple(ids), p.max_tokens, tuple(p.stop), tuple(p.stop_token_ids), p.ignore_eos)
+        return (tuple(ids), p.max_tokens, tuple(p.stop), tuple(p.stop_token_ids), p.ignore_eos,
+                p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
 
     def cache_get(self, key: tuple | None) -> tuple[list[int], str] | None:
         if key is None or key not in self.cache:

@@ -16,6 +16,15 @@ from ..logprobs import MAX_LOGPROBS
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
 Seed = Annotated[StrictInt, Field(ge=-2**63, le=2**64 - 1)]
+# vLLM request extras this server does not implement: a request that sets one to anything but its
+# default is refused rather than silently answered without it.
+UNSUPPORTED_EXTRAS: dict[str, Any] = {
+    "min_tokens": 0, "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "bad_words": [],
+    "allowed_token_ids": None, "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "truncate_prompt_tokens": None,
+    "add_generation_prompt": True, "continue_final_message": False, "echo": False,
+}
 MAX_N = 16                  # choices per request (each is one engine request)
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 StopList = Annotated[list[Annotated[str, Field(max_length=512)]], Field(max_length=16)]
@@ -40,16 +49,20 @@ class _Common(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
+    presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[Float, Field(gt=0.0, le=100.0)] | None = None     # vLLM's extra
+    min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None                    # vLLM's extra
     logit_bias: dict[str, Float] | None = None
 
     def unsupported(self) -> str | None:
         """Why this request asks for something this server cannot do, or None."""
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty and frequency_penalty are not supported"
         if self.logit_bias:
             return "logit_bias is not supported"
+        extra = self.model_extra or {}
+        for name, default in UNSUPPORTED_EXTRAS.items():
+            if name in extra and extra[name] is not None and extra[name] != default:
+                return f"{name} is not supported by this server (only its default {default!r} is accepted)"
         return None
 
     def logprob_count(self) -> int | None:

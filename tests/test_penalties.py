@@ -1,0 +1,75 @@
+"""Penalties (repetition, frequency, presence) and min-p: per-node target rows of a draft tree, greedy
+speculation equal to greedy vanilla with the same penalties, validation. The sampled lossless
+test is in test_lossless_engine.py (test_engine_is_lossless_with_penalties_and_min_p)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec import LLM, SamplingParams
+from verispec.penalties import apply_penalties, penalized
+from verispec.sampling import target_probs
+from verispec.tree import DraftTree
+
+
+def _naive_row(logits, prompt, generated, p: SamplingParams):
+    x = logits.clone()
+    for t in set(prompt) | set(generated):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(generated):
+        x[t] -= p.frequency_penalty * generated.count(t) + p.presence_penalty
+    return x
+
+
+def test_tree_rows_equal_the_penalties_of_each_root_path():
+    torch.manual_seed(0)
+    v = 12
+    tree = DraftTree(torch.tensor([3, 5, 3, 7, 3]), torch.tensor([-1, -1, 0, 2, 1]))
+    logits = torch.randn(len(tree) + 1, v) * 3
+    p = SamplingParams(repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=-0.3)
+    prompt, output = [1, 2, 3], [4, 4, 9]            # output ends with the root (9)
+    got = apply_penalties(logits, p, prompt, output, tree)
+    toks, par = tree.tokens.tolist(), tree.parents.tolist()
+    for row in range(len(tree) + 1):
+        path, i = [], row - 1
+        while i >= 0:
+            path.insert(0, toks[i])
+            i = par[i]
+        torch.testing.assert_close(got[row], _naive_row(logits[row], prompt, output + path, p))
+    single = apply_penalties(logits[:1], p, prompt, output)
+    torch.testing.assert_close(single[0], got[0])
+    assert not penalized(SamplingParams()) and penalized(SamplingParams(repetition_penalty=1.1))
+    with pytest.raises(ValueError, match="logit rows"):
+        apply_penalties(logits[:3], p, prompt, output, tree)
+
+
+def test_min_p_keeps_tokens_above_a_fraction_of_the_top():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08]]))
+    probs = target_probs(logits, SamplingParams(temperature=1.0, min_p=0.2))
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.12, 0.0]]) / 0.92)   # 0.08 < 0.2 x 0.5
+
+
+@pytest.mark.parametrize("field,bad", [("min_p", 1.5), ("min_p", -0.1), ("presence_penalty", 2.5),
+                                       ("frequency_penalty", -3.0), ("repetition_penalty", 0.0)])
+def test_bad_values_are_refused(field, bad):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: bad})
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4},
+                                  {"method": "draft_model", "model": "self", "self_draft_layers": 6,
+                                   "tree": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]}], ids=["ngram", "self_draft_tree"])
+def test_greedy_with_penalties_equals_vanilla(target, chat_prompts, spec):
+    """Penalties change the output (checked) and speculation reproduces it token for token."""
+    prompts = [chat_prompts[10], chat_prompts[16]]            # extraction, translation
+    pen = SamplingParams(temperature=0.0, max_tokens=48, repetition_penalty=1.05, frequency_penalty=0.3,
+                         presence_penalty=0.2)
+    vanilla = LLM(loaded=target, max_num_seqs=2)
+    fast = LLM(loaded=target, max_num_seqs=2, speculative_config=spec)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    want, got = vanilla.generate(inputs, pen), fast.generate(inputs, pen)
+    plain = vanilla.generate(inputs, SamplingParams(temperature=0.0, max_tokens=48))
+    assert any(w.token_ids != q.token_ids for w, q in zip(want, plain)), "penalties changed nothing"
+    assert sum(g.metrics.num_accepted_tokens for g in got) > 0
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
