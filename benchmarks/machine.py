@@ -12,3 +12,19 @@ def machine_info() -> dict:
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "python": platform.python_version(),
             "load_avg_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def parse_result_args(ap, name: str, write_md) -> "object | None":
+    """Add ``--out`` (default results/<name>) and ``--rerender`` to ``ap`` and parse. With
+    ``--rerender`` rewrite the Markdown from the saved JSON and return None."""
+    import argparse
+    import json
+    assert isinstance(ap, argparse.ArgumentParser)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", name))
+    ap.add_argument("--rerender", action="store_true", help="rewrite the Markdown from the saved JSON")
+    args = ap.parse_args()
+    if not args.rerender:
+        return args
+    with open(args.out + ".json") as f:
+        write_md(json.load(f), args.out + ".md")
+    return None

@@ -43,7 +43,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads: shar
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info  # noqa: E402
+from machine import machine_info, parse_result_args  # noqa: E402
 from spec_core import NGRAM, QWEN_DRAFT_VOCAB, chat_ids  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
@@ -223,7 +223,6 @@ class _Int4(torch.nn.Module):
 
 
 def _matmul_ms(mats: list[tuple[int, int]], make, rows: tuple[int, ...], repeats: int = 3) -> dict[str, float]:
-    from verispec.models.packed import PackedFP16Linear  # noqa: F401 - make() may use it
     torch.manual_seed(0)
     mods = [(make(torch.randn(n, k) * 0.02), k) for n, k in mats]
     out = {}
@@ -319,12 +318,8 @@ def main() -> None:
     ap.add_argument("--part", default="qsk", help="q: Qwen pair, s: SmolLM2 ngram summarization, k: kernels")
     ap.add_argument("--prompts", type=int, default=2, help="coding prompts for part q")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec_bound"))
-    ap.add_argument("--rerender", action="store_true", help="rewrite the Markdown from the saved JSON")
-    args = ap.parse_args()
-    if args.rerender:
-        with open(args.out + ".json") as f:
-            write_md(json.load(f), args.out + ".md")
+    args = parse_result_args(ap, "spec_bound", write_md)
+    if args is None:
         return
     torch.set_num_threads(os.cpu_count() or 1)
     res = {"machine": machine_info(), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads: shar
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info  # noqa: E402
+from machine import machine_info, parse_result_args  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
 from verispec.data import per_category, spec_bench_questions  # noqa: E402
@@ -156,12 +156,8 @@ def main() -> None:
     ap.add_argument("--weights", default="fp16,dense", help="weight formats to run each part with")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--qwen-prompts", type=int, default=4)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec_core"))
-    ap.add_argument("--rerender", action="store_true", help="rewrite the Markdown from the saved JSON")
-    args = ap.parse_args()
-    if args.rerender:
-        with open(args.out + ".json") as f:
-            write_md(json.load(f), args.out + ".md")
+    args = parse_result_args(ap, "spec_core", write_md)
+    if args is None:
         return
     torch.set_num_threads(os.cpu_count() or 1)
     res = {"machine": machine_info(), "max_tokens": args.max_tokens, "parts": []}
