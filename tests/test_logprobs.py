@@ -84,3 +84,25 @@ def test_logprobs_are_the_raw_distribution_and_follow_stops(target, llm):
     assert cut.token_ids == out.token_ids[:out.token_ids.index(stop_tok)]
     assert [e.token_id for e in cut.logprobs] == cut.token_ids and all(e.top == () for e in cut.logprobs)
     assert llm.generate(prompt, SamplingParams(max_tokens=4))[0].logprobs is None
+
+
+@pytest.mark.parametrize("chunk", [512, 7])
+def test_prompt_logprobs_equal_a_full_forward(target, monkeypatch, chunk):
+    """Entries for prompt tokens 1..n-1 from the prefill (also across prefill chunks), in a batch
+    with a request that does not ask for them."""
+    import verispec.engine as eng
+    monkeypatch.setattr(eng, "PREFILL_CHUNK", chunk)
+    llm = LLM(loaded=target, max_num_seqs=2, speculative_config={"method": "ngram"})
+    ids = llm.encode_prompt("Speculative decoding drafts tokens cheaply and verifies them at once.")[1]
+    outs = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids[:5]}],
+                        [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2), SamplingParams(max_tokens=3)])
+    assert outs[1].prompt_logprobs is None
+    got = outs[0].prompt_logprobs
+    assert [e.token_id for e in got] == ids[1:]
+    with torch.no_grad():
+        ref = torch.log_softmax(target.model(torch.tensor([ids]), torch.arange(len(ids))[None]).logits[0].float(), -1)
+    for i, e in enumerate(got):
+        assert e.logprob == pytest.approx(float(ref[i, ids[i + 1]]), abs=1e-3)
+        assert [t for t, _ in e.top] == ref[i].sort(descending=True, stable=True).indices[:2].tolist()
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)

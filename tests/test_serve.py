@@ -272,6 +272,35 @@ def test_penalties_and_min_p_match_llm_generate(servers, llm, which):
     assert out.choices[0].text == ref.text
 
 
+def test_echo_prompt_logprobs_and_prompt_batches_as_lm_eval_sends_them(guarded, llm):
+    """lm-eval-harness scores text through /v1/completions with a batch of token prompts,
+    ``echo``, ``logprobs: 1`` and ``max_tokens`` 1 (or 0): every prompt token but the first gets
+    the target's logprob, the first gets null; one choice per prompt, in order."""
+    client = guarded.client()
+    prompts = [llm.encode_prompt(t)[1] for t in ("The capital of France is Paris.", "Two plus two is four")]
+    want = [llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+            for ids in prompts]
+    for max_tokens in (1, 0):
+        out = client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=max_tokens,
+                                        temperature=0)
+        assert [c.index for c in out.choices] == [0, 1]
+        assert out.usage.prompt_tokens == sum(map(len, prompts))
+        assert out.usage.completion_tokens == 2 * max_tokens
+        for c, ids, w in zip(out.choices, prompts, want):
+            lp = c.logprobs
+            assert len(lp.tokens) == len(ids) + max_tokens
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            assert lp.token_logprobs[1:len(ids)] == pytest.approx([e.logprob for e in w.prompt_logprobs], abs=2e-3)
+            prompt_text = llm.tokenizer.decode(ids, skip_special_tokens=True)
+            assert c.text == prompt_text + (w.text if max_tokens else "")
+            if max_tokens == 0:
+                assert c.finish_reason == "length"
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts[0], echo=True, max_tokens=4,
+                                            temperature=0, stream=True))
+    assert chunks[0].choices[0].text == llm.tokenizer.decode(prompts[0], skip_special_tokens=True)
+    assert "".join(ch.choices[0].text for ch in chunks) == chunks[0].choices[0].text + _ref(llm, {"prompt_token_ids": prompts[0]}, 4).text
+
+
 def test_n_choices_whole_and_streamed(plain, llm):
     """``n`` choices: greedy ones all equal ``LLM.generate``; seeded sampled ones are reproducible
     (choice i uses seed + i), differ from each other, and stream per index to the same texts."""
@@ -468,13 +497,13 @@ def _hostile_cases(long_prompt: str) -> list[tuple[str, str, object, dict | None
     """All hostile requests: the shared-field ones plus endpoint-specific ones."""
     cases = _hostile_field_cases()
     c, ch, ok_c, ok_ch = _C, _CH, _OK_C, _OK_CH
-    for v in (123, None, {}, [1.5], [[]], ["a", "b"], [-1], [10**12], True, [], "", [[1, "x"]]):
+    for v in (123, None, {}, [1.5], [[]], [-1], [10**12], True, [], "", [[1, "x"]], ["a"] * 65, ["a", ""]):
         cases.append(("POST", c, dict(ok_c, prompt=v), None, {400}))
     cases.append(("POST", c, dict(ok_c, prompt=long_prompt), None, {400}))
     cases.append(("POST", c, dict(ok_c, prompt=[5] * 300), None, {400}))
     cases.append(("POST", c, dict(ok_c, prompt=[5] * 200, max_tokens=400), None, {400}))
     cases.append(("POST", c, dict(ok_c, prompt="x" * (3 << 20)), None, {413}))
-    for v in (dict(ok_c, echo=True), dict(ok_c, logprobs=21), dict(ok_c, logprobs=-1), dict(ok_c, logprobs="2"),
+    for v in (dict(ok_c, logprobs=21), dict(ok_c, logprobs=-1), dict(ok_c, logprobs="2"),
               dict(ok_c, best_of=3), dict(ok_c, suffix="x")):
         cases.append(("POST", c, v, None, {400}))
     for v in ([], "hi", [{}], [{"role": "alien", "content": "x"}], [{"role": "user", "content": 5}],
@@ -482,6 +511,7 @@ def _hostile_cases(long_prompt: str) -> list[tuple[str, str, object, dict | None
               [{"role": "user"}] * 3, [{"content": "x"}], [None], [{"role": "user", "content": long_prompt}]):
         cases.append(("POST", ch, dict(ok_ch, messages=v), None, {200, 400}))
     cases.append(("POST", c, dict(ok_c, logprobs=3), None, {200}))
+    cases.append(("POST", c, dict(ok_c, prompt=["a", "b"], echo=True, max_tokens=0, logprobs=1), None, {200}))
     cases.append(("POST", ch, dict(ok_ch, logprobs=True, top_logprobs=2, stream=True), None, {200}))
     for v in (dict(ok_ch, top_logprobs=3), dict(ok_ch, logprobs=True, top_logprobs=21), dict(ok_ch, logprobs="yes"),
               dict(ok_ch, tools=[{"type": "function"}]),

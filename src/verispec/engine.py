@@ -39,6 +39,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None     # one per output token when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] | None = None   # prompt tokens 1.. when params.prompt_logprobs is set
     row: int = -1
     finished: bool = False
     finish_reason: str | None = None      # "stop" | "length" | "abort"
@@ -95,10 +96,11 @@ class Engine:
             seq.generator = seq.generator or make_generator(seq.params.seed)
             self.cache.reset(seq.row)
         try:
-            if len(seqs) > 1 and max(len(s.prompt_ids) for s in seqs) <= PREFILL_CHUNK:
+            if len(seqs) > 1 and max(len(s.prompt_ids) for s in seqs) <= PREFILL_CHUNK and \
+                    all(s.params.prompt_logprobs is None for s in seqs):
                 results = self._prefill_batch(seqs)
             else:
-                results = [self._prefill(s.row, s.prompt_ids) for s in seqs]
+                results = [self._prefill(s.row, s.prompt_ids, s) for s in seqs]
         except BaseException:
             for seq in seqs:                       # give the rows back; nothing was admitted
                 self.cache.reset(seq.row)
@@ -132,17 +134,27 @@ class Engine:
             results.append((out.logits[i, 0], feats))
         return results
 
-    def _prefill(self, row: int, ids: list[int]) -> tuple[torch.Tensor, TargetFeatures | None]:
+    def _prefill(self, row: int, ids: list[int], seq: Sequence | None = None
+                 ) -> tuple[torch.Tensor, TargetFeatures | None]:
+        """Chunked prefill of one row; fills ``seq.prompt_logprobs`` when its params ask (logits
+        at every prompt position, entries for prompt tokens 1..n-1)."""
         rows = torch.tensor([row])
         layers, want_last = self._feature_request()
         hid_parts, last_parts, logits = {i: [] for i in layers}, [], None
+        k = seq.params.prompt_logprobs if seq is not None else None
+        if k is not None:
+            seq.prompt_logprobs = []
         for s in range(0, len(ids), PREFILL_CHUNK):
             chunk = torch.tensor([ids[s:s + PREFILL_CHUNK]])
             pos = torch.arange(s, s + chunk.shape[1])[None]
             is_last = s + PREFILL_CHUNK >= len(ids)
             out = self.model(chunk, pos, self.cache, rows=rows, hidden_layers=layers,
-                             logits_index=torch.tensor([[chunk.shape[1] - 1]]), compute_logits=is_last)
+                             logits_index=None if k is not None else torch.tensor([[chunk.shape[1] - 1]]),
+                             compute_logits=is_last or k is not None)
             self.cache.advance(rows, chunk.shape[1])
+            if k is not None:
+                nxt = ids[s + 1:s + 1 + chunk.shape[1]]          # the token each position predicts
+                seq.prompt_logprobs += token_logprobs(out.logits[0, :len(nxt)], nxt, k)
             for i in layers:
                 hid_parts[i].append(out.hidden[i][0])
             if want_last:

@@ -48,6 +48,7 @@ class RequestOutput:
     finish_reason: str
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None     # per output token, when SamplingParams.logprobs is set
+    prompt_logprobs: list[TokenLogprob] | None = None   # prompt tokens 1.., when SamplingParams.prompt_logprobs is set
 
 
 class LLM:
@@ -161,4 +162,5 @@ class LLM:
             verify_time_s=st.verify_time_s)
         return RequestOutput(seq.seq_id, prompt_text, list(seq.prompt_ids), text, list(seq.output_ids),
                              seq.finish_reason or "length", m,
-                             list(seq.logprobs) if seq.logprobs is not None else None)
+                             list(seq.logprobs) if seq.logprobs is not None else None,
+                             list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)

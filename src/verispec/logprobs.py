@@ -27,8 +27,8 @@ MAX_LOGPROBS = 20           # the most top entries a request may ask for (OpenAI
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
-    rank: int                               # 1 + the number of strictly more likely tokens
+    logprob: float | None                   # None: no distribution (a prompt's first token)
+    rank: int                               # 1 + the number of strictly more likely tokens (0: None)
     top: tuple[tuple[int, float], ...]      # (token id, logprob), best first, ``k`` entries
 
 

@@ -21,6 +21,7 @@ class SamplingParams:
     ``stop``: strings that end generation (not included in the text). ``seed``: per-request RNG.
     ``logprobs``: None (default) reports nothing; ``k`` in 0..20 reports each output token's
     log-probability under the target and the ``k`` most likely alternatives (see ``logprobs``).
+    ``prompt_logprobs``: the same for prompt tokens 1..n-1 (the first token has no distribution).
     ``min_p``: drop tokens below ``min_p`` x the top token's probability (after temperature and
     top-k, before top-p). ``presence_penalty`` / ``frequency_penalty`` (-2..2, generated tokens)
     and ``repetition_penalty`` (> 0, prompt and generated tokens) change the target logits
@@ -35,6 +36,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -61,9 +63,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if not 0.0 < self.repetition_penalty <= 100.0:
             raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
 
     @property
     def greedy(self) -> bool:

@@ -14,7 +14,10 @@ Contract
   choices): 429. Unknown model: 404. Wrong or missing ``Authorization: Bearer <api_key>`` when a
   key is set: 401.
 - ``n`` choices are ``n`` engine requests decoded in the running batch (with a ``seed``, choice i
-  uses seed + i). Text, streaming, logprobs and cancellation: see ``responses``.
+  uses seed + i). Completions also take a batch of prompts (up to 64; choice index = prompt x n +
+  j) and ``echo`` (the prompt before the completion, with its tokens' logprobs when ``logprobs``
+  is set, the first token's null; ``max_tokens`` 0 with echo scores a prompt without generating).
+  Text, streaming, logprobs and cancellation: see ``responses``.
 - ``response_cache`` > 0: greedy (temperature 0) requests without logprobs are answered from an
   LRU of that many entries keyed by everything that determines the output.
 - ``logprobs`` (completions) / ``logprobs`` + ``top_logprobs`` (chat): the target's raw
@@ -115,22 +118,24 @@ class _Server:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.cfg.model_name}`.", param="model", code="model_not_found")
 
-    async def completion_prompt(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, "one prompt per request is supported; got a batch of "
-                                    f"{len(prompt)}", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = await asyncio.to_thread(self.encode, prompt)   # as LLM.encode_prompt does
-        else:
-            ids = list(prompt)
+    async def completion_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
+        """(text, token ids) of each prompt: a string, a token list, or a batch of either."""
+        batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        if not batch:
+            raise APIError(400, "the prompt batch is empty", param="prompt")
+        out = []
+        for p in batch:
+            if isinstance(p, str):
+                out.append((p, await asyncio.to_thread(self.encode, p)))   # as LLM.encode_prompt does
+                continue
+            ids = list(p)
             vocab = self.llm.target.config.vocab_size
             bad = [i for i in ids if not 0 <= i < vocab]
             if bad:
                 raise APIError(400, f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}",
                                param="prompt")
-        return ids
+            out.append((await asyncio.to_thread(self.decode, ids), ids))
+        return out
 
     async def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         plain = [{"role": m.role, "content": m.text()} for m in messages]
@@ -182,7 +187,7 @@ class _Server:
 
     # -- generation ------------------------------------------------------------------------
     def cache_key(self, ids: list[int], p: SamplingParams) -> tuple | None:
-        if self.cfg.response_cache <= 0 or not p.greedy or p.logprobs is not None:
+        if self.cfg.response_cache <= 0 or not p.greedy or p.logprobs is not None or p.prompt_logprobs is not None:
             return None
         return (tuple(ids), p.max_tokens, tuple(p.stop), tuple(p.stop_token_ids), p.ignore_eos,
                 p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
@@ -202,31 +207,45 @@ class _Server:
         while len(self.cache) > self.cfg.response_cache:
             self.cache.popitem(last=False)
 
-    def submit(self, ids: list[int], params: SamplingParams, n: int = 1) -> list[AsyncIterator[TokenEvent]]:
-        """Events of ``n`` choices: new requests (queued all or none; with a seed, choice i uses
-        seed + i) or cached answers."""
-        key = self.cache_key(ids, params)
-        hit = self.cache_get(key)
-        if hit is not None:
-            return [_replay(hit) for _ in range(n)]
-        if self.scheduler is None:
+    def submit(self, items: list[tuple[list[int], SamplingParams]]) -> list[AsyncIterator[TokenEvent]]:
+        """Events of one choice per (prompt ids, params): a cached answer or a new request (the new
+        ones are queued all or none)."""
+        out: list = [None] * len(items)
+        todo = []
+        for i, (ids, p) in enumerate(items):
+            key = self.cache_key(ids, p)
+            hit = self.cache_get(key)
+            if hit is not None:
+                out[i] = _replay(hit)
+            else:
+                todo.append((i, key))
+        if todo and self.scheduler is None:
             raise APIError(503, "the server is not running", "service_unavailable")
-        group = [params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
-                 for i in range(n)]
         try:
-            handles = self.scheduler.submit_group(ids, group)
+            handles = self.scheduler.submit_group([items[i] for i, _ in todo]) if todo else []
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error", code="queue_full") from e
         except NotAccepting as e:
             raise APIError(503, str(e), "service_unavailable") from e
-        return [self._recording(self.scheduler.events(h), key) for h in handles]
+        for (i, key), h in zip(todo, handles):
+            out[i] = self._recording(self.scheduler.events(h), key)
+        return out
 
-    async def answer(self, request: Request, req: _Common, ids: list[int], params: SamplingParams,
-                     shape: Shape) -> Response:
-        """Submit ``req.n`` choices and respond (whole or streamed)."""
-        choices = make_choices(self.submit(ids, params, req.n), params, shape.chat, self.decode, self.token_texts.get)
+    async def answer(self, request: Request, req: _Common, prompts: list[tuple[str, list[int]]],
+                     params: list[SamplingParams], shape: Shape, echo: bool = False,
+                     score_only: bool = False) -> Response:
+        """Submit ``req.n`` choices per prompt (choice index = prompt * n + j; with a seed, choice
+        j uses seed + j) and respond, whole or streamed."""
+        items, echoes = [], []
+        for (text, ids), p in zip(prompts, params):
+            for j in range(req.n):
+                items.append((ids, p if p.seed is None or j == 0 else dataclasses.replace(p, seed=p.seed + j)))
+                echoes.append((text, ids) if echo else None)
+        choices = make_choices(self.submit(items), [p for _, p in items], shape.chat, self.decode,
+                               self.token_texts.get, echoes, score_only)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await respond(request, choices, shape, len(ids), req.stream, include_usage)
+        n_prompt = sum(len(ids) for _, ids in prompts)
+        return await respond(request, choices, shape, n_prompt, req.stream, include_usage)
 
     async def _recording(self, events: AsyncIterator[TokenEvent], key: tuple | None) -> AsyncIterator[TokenEvent]:
         ids: list[int] = []
@@ -370,11 +389,13 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
         srv.check_model(body.model)
-        ids = await srv.completion_prompt(body.prompt)
+        prompts = await srv.completion_prompts(body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        params = srv.sampling_params(body, len(ids), max_tokens, "prompt")
-        return await srv.answer(request, body, ids, params, Shape(False, f"cmpl-{uuid.uuid4().hex}",
-                                                                  int(time.time()), cfg.model_name))
+        params = [srv.sampling_params(body, len(ids), max(max_tokens, 1), "prompt") for _, ids in prompts]
+        if body.echo and body.logprobs is not None:
+            params = [dataclasses.replace(p, prompt_logprobs=body.logprobs) for p in params]
+        shape = Shape(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), cfg.model_name)
+        return await srv.answer(request, body, prompts, params, shape, echo=body.echo, score_only=max_tokens == 0)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -383,8 +404,8 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
         ids = await srv.chat_prompt(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = srv.sampling_params(body, len(ids), max_tokens, "messages")
-        return await srv.answer(request, body, ids, params, Shape(True, f"chatcmpl-{uuid.uuid4().hex}",
-                                                                  int(time.time()), cfg.model_name))
+        shape = Shape(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), cfg.model_name)
+        return await srv.answer(request, body, [("", ids)], [params], shape)
 
     return app
 

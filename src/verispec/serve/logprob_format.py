@@ -83,11 +83,14 @@ class LogprobFormatter:
     def _completion(self, entries: list[TokenLogprob]) -> dict:
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
-            top: dict[str, float] = {}
+            top: dict[str, float] | None = {}
             for t, lp in e.top:                             # best first: keep the first of a name
                 top.setdefault(self._name(t), lp)
             name = self._name(e.token_id)
-            top.setdefault(name, e.logprob)
+            if e.logprob is None:                           # an echoed prompt's first token
+                top = None
+            else:
+                top.setdefault(name, e.logprob)
             out["tokens"].append(name)
             out["token_logprobs"].append(e.logprob)
             out["top_logprobs"].append(top)

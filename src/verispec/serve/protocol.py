@@ -2,7 +2,7 @@
 
 Unknown fields are kept and ignored (as OpenAI does); wrong types and out-of-range values fail
 validation (the app answers 400). ``unsupported()`` names a valid field value this server cannot
-honour (penalties, echo, tools, ...), or returns None. ``n`` (1..16) choices are separate
+honour (logit_bias, suffix, tools, vLLM extras, ...), or returns None. ``n`` (1..16) choices are separate
 engine requests. ``logprob_count()``: how many top
 logprobs the request asks for (None: no logprobs).
 """
@@ -25,6 +25,7 @@ UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "truncate_prompt_tokens": None,
     "add_generation_prompt": True, "continue_final_message": False, "echo": False,
 }
+MAX_PROMPTS = 64            # prompts in one completions request (each gets n choices)
 MAX_N = 16                  # choices per request (each is one engine request)
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 StopList = Annotated[list[Annotated[str, Field(max_length=512)]], Field(max_length=16)]
@@ -70,15 +71,19 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: str | list[StrictInt] | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | \
+        Annotated[list[list[StrictInt]], Field(max_length=MAX_PROMPTS)]
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None     # 0 only with echo (scoring a prompt)
     echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
     logprobs: TopLogprobs | None = None
 
     def unsupported(self) -> str | None:
-        if self.echo or self.suffix or self.best_of not in (None, 1):
-            return "echo, suffix and best_of are not supported"
+        if self.suffix or self.best_of not in (None, 1):
+            return "suffix and best_of are not supported"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens must be at least 1 (0 is allowed only with echo)"
         return super().unsupported()
 
     def logprob_count(self) -> int | None:

@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..sampling import SamplingParams
+from ..logprobs import TokenLogprob
 from .logprob_format import LogprobFormatter
 from .scheduler import RequestFailed, TokenEvent
 
@@ -154,51 +155,81 @@ class SSEResponse(StreamingResponse):
 # ---------------------------------------------------------------------------- choices
 @dataclass
 class Choice:
-    """One choice's events, text and logprobs."""
+    """One choice's events, text and logprobs. ``echo``: the prompt (text, token ids) goes before
+    the completion, with the prompt tokens' logprobs (the first token has none). ``score_only``:
+    the one generated token is dropped (``max_tokens`` 0 with echo: scoring a prompt)."""
     index: int
     events: AsyncIterator[TokenEvent]
     stream: TextStream
     lp: LogprobFormatter | None
+    echo: tuple[str, list[int]] | None = None
+    score_only: bool = False
     pending: list = field(default_factory=list)      # logprob entries whose text is not sent yet
     reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return (self.echo[0] if self.echo else "") + ("" if self.score_only else self.stream.text)
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.score_only else len(self.stream.ids)
+
+    def prefix(self, first: TokenEvent) -> tuple[str, dict | None] | None:
+        """The echoed prompt and its logprobs, sent before anything else (or None)."""
+        if self.echo is None:
+            return None
+        text, ids = self.echo
+        entries = [TokenLogprob(ids[0], None, 0, ())] + list(first.prompt_logprobs or [])
+        return text, (self.lp.format(entries) if self.lp else None)
 
     def push(self, ev: TokenEvent) -> tuple[str, dict | None] | None:
         """(delta, logprobs) to send for ``ev``, or None when nothing is to be sent yet."""
         delta = self.stream.push(ev.token_ids, ev.finished)
-        self.pending.extend(ev.logprobs or [])
+        if not self.score_only:
+            self.pending.extend(ev.logprobs or [])
         if ev.finished:
-            self.reason = ev.finish_reason or "stop"
+            self.reason = "length" if self.score_only else (ev.finish_reason or "stop")
+        delta = "" if self.score_only else delta
         if not (delta or ev.finished):
             return None
-        logprobs = self.lp.format(self.pending) if self.lp else None
+        logprobs = self.lp.format(self.pending) if self.lp and (self.pending or not self.score_only) else None
         self.pending = []
         return delta, logprobs
 
     async def collect(self) -> None:
-        """Read every event; decode once at the end."""
+        """Read every event; decode once at the end. Logprob entries: prompt (echo), then output."""
         out: list[int] = []
+        first = True
         async with contextlib.aclosing(self.events):
             async for ev in self.events:
+                if first and self.echo is not None:
+                    self.pending += [TokenLogprob(self.echo[1][0], None, 0, ())] + list(ev.prompt_logprobs or [])
+                first = False
                 out.extend(ev.token_ids)
-                self.pending.extend(ev.logprobs or [])
+                if not self.score_only:
+                    self.pending.extend(ev.logprobs or [])
                 if ev.finished:
                     self.stream.push(out, True)
-                    self.reason = ev.finish_reason or "stop"
+                    self.reason = "length" if self.score_only else (ev.finish_reason or "stop")
                     return
         raise RuntimeError("the event stream ended without a finished event")
 
 
-def make_choices(streams: list[AsyncIterator[TokenEvent]], params: SamplingParams, chat: bool,
-                 decode: Callable[[list[int]], str], token_texts: Callable) -> list[Choice]:
-    return [Choice(i, ev, TextStream(decode, params.stop),
-                   LogprobFormatter(chat, token_texts) if params.logprobs is not None else None)
-            for i, ev in enumerate(streams)]
+def make_choices(streams: list[AsyncIterator[TokenEvent]], params: list[SamplingParams], chat: bool,
+                 decode: Callable[[list[int]], str], token_texts: Callable,
+                 echo: list[tuple[str, list[int]] | None] | None = None, score_only: bool = False) -> list[Choice]:
+    """One ``Choice`` per stream, indexed in order; ``params`` / ``echo`` per stream."""
+    echo = echo or [None] * len(streams)
+    return [Choice(i, ev, TextStream(decode, p.stop),
+                   LogprobFormatter(chat, token_texts) if p.logprobs is not None else None, e, score_only)
+            for i, (ev, p, e) in enumerate(zip(streams, params, echo))]
 
 
 async def respond(request: Request, choices: list[Choice], shape: Shape, n_prompt: int,
                   stream: bool, include_usage: bool) -> Response:
     """The whole response, or an SSE stream once every choice has its first event (so an error
-    before any token still gets its HTTP status)."""
+    before any token still gets its HTTP status). ``n_prompt``: prompt tokens for ``usage``."""
     if not stream:
         async def collect_all() -> None:
             results = await asyncio.gather(*(c.collect() for c in choices), return_exceptions=True)
@@ -213,8 +244,8 @@ async def respond(request: Request, choices: list[Choice], shape: Shape, n_promp
         body = []
         for c in choices:
             logprobs = await asyncio.to_thread(c.lp.format, c.pending) if c.lp else None
-            body.append(shape.choice(c.index, c.stream.text, c.reason or "stop", logprobs))
-        return JSONResponse(shape.full(body, usage(n_prompt, sum(len(c.stream.ids) for c in choices))))
+            body.append(shape.choice(c.index, c.text, c.reason or "stop", logprobs))
+        return JSONResponse(shape.full(body, usage(n_prompt, sum(c.num_tokens for c in choices))))
     async def first_events() -> list[TokenEvent]:
         got = await asyncio.gather(*(c.events.__anext__() for c in choices), return_exceptions=True)
         bad = next((g for g in got if isinstance(g, BaseException)), None)
@@ -274,16 +305,19 @@ async def _sse_body(choices: list[Choice], firsts: list[TokenEvent], shape: Shap
     events = _merged(choices, firsts)
     async with contextlib.aclosing(events):
         try:
-            if shape.chat:
-                for c in choices:
+            for c, first in zip(choices, firsts):
+                if shape.chat:
                     yield sse(shape.chunk(c.index, None, None, usage_field, role=True))
+                head = c.prefix(first)
+                if head is not None:
+                    yield sse(shape.chunk(c.index, head[0], None, usage_field, logprobs=head[1]))
             async for c, ev in events:
                 out = c.push(ev)
                 if out is not None:
                     yield sse(shape.chunk(c.index, out[0], c.reason if ev.finished else None, usage_field,
                                           logprobs=out[1]))
             if include_usage:
-                yield sse(shape.usage_chunk(usage(n_prompt, sum(len(c.stream.ids) for c in choices))))
+                yield sse(shape.usage_chunk(usage(n_prompt, sum(c.num_tokens for c in choices))))
         except RequestFailed as e:
             yield sse(error_body(e.event.message, e.event.type, None, e.event.status))
         yield sse("[DONE]")

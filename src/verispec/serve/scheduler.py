@@ -60,6 +60,7 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None     # one per token id, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None   # first event only, when the request asked
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class EngineRequest:
     seq: Sequence | None = None
     last_emit: float | None = None
     done: bool = False            # final event sent (set by the scheduler thread)
+    started: bool = False         # a token event was sent
 
 
 class Scheduler:
@@ -136,14 +138,14 @@ class Scheduler:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
         """Queue a validated request; call from the event loop that will read its events."""
-        return self.submit_group(prompt_ids, [params])[0]
+        return self.submit_group([(prompt_ids, params)])[0]
 
-    def submit_group(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[EngineRequest]:
-        """Queue one request per ``params`` (the ``n`` choices of one API request): all of them,
-        or none when the queue has no room for all."""
+    def submit_group(self, items: list[tuple[list[int], SamplingParams]]) -> list[EngineRequest]:
+        """Queue one request per (prompt ids, params) (the choices of one API request): all of
+        them, or none when the queue has no room for all."""
         deadline = time.perf_counter() + self.request_timeout if self.request_timeout else None
         loop = asyncio.get_running_loop()
-        reqs = [EngineRequest(list(prompt_ids), p, loop, deadline) for p in params]
+        reqs = [EngineRequest(list(ids), p, loop, deadline) for ids, p in items]
         with self._cond:
             if not self._accepting:
                 raise NotAccepting("the server is shutting down")
@@ -353,11 +355,13 @@ class Scheduler:
             self.metrics.observe_tokens(len(new), since_last, now - req.arrival)
             req.last_emit = now
         lps = None if seq.logprobs is None else seq.logprobs[len(seq.logprobs) - len(new):]
+        plps = None if req.started else seq.prompt_logprobs
+        req.started = True
         if seq.finished:
             self._active.pop(seq.seq_id, None)
-            self._finish(req, TokenEvent(list(new), True, seq.finish_reason, lps), seq.finish_reason or "stop")
+            self._finish(req, TokenEvent(list(new), True, seq.finish_reason, lps, plps), seq.finish_reason or "stop")
         else:
-            self._put(req, TokenEvent(list(new), False, None, lps))
+            self._put(req, TokenEvent(list(new), False, None, lps, plps))
 
     def _finish(self, req: EngineRequest, event: TokenEvent | ErrorEvent, reason: str) -> None:
         if req.done:
