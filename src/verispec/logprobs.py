@@ -42,7 +42,11 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[T
     ids = torch.tensor(token_ids, dtype=torch.long)
     chosen = lp.gather(1, ids[:, None])[:, 0]
     ranks = (lp > chosen[:, None]).sum(-1) + 1
-    top_v, top_i = (t[:, :k] for t in lp.sort(dim=-1, descending=True, stable=True))
+    top_v, top_i = lp.topk(k, dim=-1)                  # then equal values in token-id order
+    order = torch.argsort(top_i, dim=-1)
+    top_v, top_i = top_v.gather(1, order), top_i.gather(1, order)
+    order = torch.argsort(top_v, dim=-1, descending=True, stable=True)
+    top_v, top_i = top_v.gather(1, order), top_i.gather(1, order)
     out = []
     for n, tok in enumerate(token_ids):
         top = tuple(zip(top_i[n].tolist(), top_v[n].tolist()))
