@@ -301,6 +301,21 @@ def test_echo_prompt_logprobs_and_prompt_batches_as_lm_eval_sends_them(guarded, 
     assert "".join(ch.choices[0].text for ch in chunks) == chunks[0].choices[0].text + _ref(llm, {"prompt_token_ids": prompts[0]}, 4).text
 
 
+def test_tokenize_and_detokenize(guarded, llm):
+    ids = llm.encode_prompt(PROMPTS[0])[1]
+    r = guarded.post("/tokenize", {"model": MODEL, "prompt": PROMPTS[0]})
+    assert r.status_code == 200 and r.json()["tokens"] == ids and r.json()["count"] == len(ids)
+    chat = guarded.post("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"] == llm.tokenizer(llm.apply_chat_template([{"role": "user", "content": "Hi"}]),
+                                           add_special_tokens=False).input_ids
+    assert guarded.post("/detokenize", {"tokens": ids}).json() == {"prompt": llm.tokenizer.decode(ids, skip_special_tokens=True)}
+    for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}),
+                       ("/detokenize", {"tokens": [10**9]}), ("/detokenize", {"tokens": "x"})):
+        r = guarded.post(path, body)
+        assert r.status_code == 400 and "error" in r.json(), (path, body, r.text)
+    assert guarded.http.post("/tokenize", json={"prompt": "a"}).status_code == 401          # the key is needed
+
+
 def test_n_choices_whole_and_streamed(plain, llm):
     """``n`` choices: greedy ones all equal ``LLM.generate``; seeded sampled ones are reproducible
     (choice i uses seed + i), differ from each other, and stream per index to the same texts."""

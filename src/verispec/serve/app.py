@@ -2,7 +2,8 @@
 
 ``create_app(llm, config)`` returns a FastAPI app with ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON or server-sent events ending with ``data: [DONE]``),
-``GET /v1/models``, ``GET /health`` (never needs the API key) and ``GET /metrics``.
+``GET /v1/models``, ``GET /health`` (never needs the API key), ``GET /metrics`` and vLLM's
+``POST /tokenize`` / ``POST /detokenize``.
 
 Contract
 - Request bodies are validated by the pydantic models of ``protocol``; unknown fields are ignored (as
@@ -48,7 +49,8 @@ from ..sampling import SamplingParams
 from .logprob_format import TokenTexts
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .policy import SpecPolicy
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Common
+from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                       TokenizeRequest, _Common)
 from .responses import ClientGone, Shape, error_body, make_choices, respond
 from .scheduler import NotAccepting, QueueFull, RequestFailed, Scheduler, TokenEvent
 
@@ -384,6 +386,25 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
         card = {"id": cfg.model_name, "object": "model", "created": srv.created, "owned_by": "verispec",
                 "root": str(llm.target.path), "max_model_len": cfg.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await parse_body(request, TokenizeRequest)
+        srv.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            ids = await srv.chat_prompt(body.messages)
+        else:
+            ids = await asyncio.to_thread(srv.encode, body.prompt, body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await parse_body(request, DetokenizeRequest)
+        srv.check_model(body.model)
+        (_, ids), = await srv.completion_prompts(body.tokens)          # vocabulary check
+        return {"prompt": await asyncio.to_thread(srv.decode, ids)}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
