@@ -106,3 +106,21 @@ def test_prompt_logprobs_equal_a_full_forward(target, monkeypatch, chunk):
         assert [t for t, _ in e.top] == ref[i].sort(descending=True, stable=True).indices[:2].tolist()
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_n_outputs_per_prompt_like_vllm(target):
+    """``SamplingParams(n=3)``: ``outputs`` holds three outputs, output j sampled with seed + j
+    (so it equals a one-output run with that seed); output 0 is also the flat fields."""
+    llm = LLM(loaded=target, max_num_seqs=4, speculative_config={"method": "ngram"})
+    sp = SamplingParams(temperature=1.0, max_tokens=10, seed=7, n=3, logprobs=1)
+    out, other = llm.generate(["Once upon a time", "The sea is"], sp)
+    assert [o.index for o in out.outputs] == [0, 1, 2] and len(other.outputs) == 3
+    assert out.text == out.outputs[0].text and out.token_ids == out.outputs[0].token_ids
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+    solo = llm.generate("Once upon a time", SamplingParams(temperature=1.0, max_tokens=10, seed=9, logprobs=1))[0]
+    assert out.outputs[2].token_ids == solo.token_ids and out.outputs[2].text == solo.text
+    assert [e.token_id for e in out.outputs[2].logprobs] == solo.token_ids
+    greedy = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=10, n=2))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=0)

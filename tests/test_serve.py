@@ -184,6 +184,9 @@ def test_openai_client_completions_match_llm_generate(servers, refs, which):
     srv = servers[which]
     client = srv.client()
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     for prompt in PROMPTS if which == "plain" else PROMPTS[1:2]:
         ref = refs[prompt]
         full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)

@@ -5,6 +5,7 @@ This is the only layer that knows the tokenizer: it turns prompts into token ids
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence as Seq
@@ -39,7 +40,19 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One of the ``n`` outputs of a prompt (vLLM's name and fields)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
 class RequestOutput:
+    """A prompt's result. ``text``, ``token_ids``, ``finish_reason``, ``metrics`` and ``logprobs``
+    are those of output 0; ``outputs`` lists all ``SamplingParams.n`` of them (as vLLM's)."""
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
@@ -49,6 +62,7 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None     # per output token, when SamplingParams.logprobs is set
     prompt_logprobs: list[TokenLogprob] | None = None   # prompt tokens 1.., when SamplingParams.prompt_logprobs is set
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 class LLM:
@@ -112,7 +126,9 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  on_tokens: Callable[[int, list[int]], Any] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt. ``on_tokens(index, new_ids)`` streams each step's tokens."""
+        """Generate ``SamplingParams.n`` outputs for each prompt (with a seed, output j uses seed +
+        j). ``on_tokens(index, new_ids)`` streams each step's tokens; ``index`` counts outputs over
+        all prompts in order (the prompt's index when every n is 1)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -123,17 +139,28 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         encoded = [self.encode_prompt(p) for p in prompts]
-        seqs = []
+        seqs, owner = [], []
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
-            cb = (lambda s, new, i=i: on_tokens(i, new)) if on_tokens else None
-            seqs.append(Sequence(prompt_ids=ids, params=sp, on_tokens=cb))
+            for j in range(sp.n):
+                cb = (lambda s, new, k=len(seqs): on_tokens(k, new)) if on_tokens else None
+                spj = sp if j == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + j)
+                seqs.append(Sequence(prompt_ids=ids, params=spj, on_tokens=cb))
+                owner.append(i)
         need = max(min(len(s.prompt_ids) + s.params.max_tokens, self.max_model_len) for s in seqs)
         engine = self.make_engine(min(len(seqs), self.max_num_seqs), need)
         t0 = time.perf_counter()
         for s in seqs:
             s.start_time = t0
         engine.run(seqs)
-        return [self._output(s, text) for s, (text, _) in zip(seqs, encoded)]
+        outs = []
+        for i, (text, _) in enumerate(encoded):
+            mine = [s for s, o in zip(seqs, owner) if o == i]
+            out = self._output(mine[0], text)
+            out.outputs = [CompletionOutput(j, self._text(s), list(s.output_ids), s.finish_reason or "length",
+                                            list(s.logprobs) if s.logprobs is not None else None)
+                           for j, s in enumerate(mine)]
+            outs.append(out)
+        return outs
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, **kw) -> list[RequestOutput]:
@@ -144,12 +171,17 @@ class LLM:
                    for m in messages]
         return self.generate(prompts, sampling_params, **kw)
 
-    def _output(self, seq: Sequence, prompt_text: str | None) -> RequestOutput:
+    def _text(self, seq: Sequence) -> str:
+        """The decoded output, cut at each stop string in turn."""
         text = self._decode(seq.output_ids)
         for s in seq.params.stop:
             cut = text.find(s)
             if cut >= 0:
                 text = text[:cut]
+        return text
+
+    def _output(self, seq: Sequence, prompt_text: str | None) -> RequestOutput:
+        text = self._text(seq)
         elapsed = (seq.end_time or time.perf_counter()) - seq.start_time
         st: SpecStats = seq.stats
         m = RequestMetrics(

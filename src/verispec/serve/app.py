@@ -2,7 +2,7 @@
 
 ``create_app(llm, config)`` returns a FastAPI app with ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON or server-sent events ending with ``data: [DONE]``),
-``GET /v1/models``, ``GET /health`` (never needs the API key), ``GET /metrics`` and vLLM's
+``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (never needs the API key), ``GET /metrics`` and vLLM's
 ``POST /tokenize`` / ``POST /detokenize``.
 
 Contract
@@ -381,11 +381,17 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
 
+    card = {"id": cfg.model_name, "object": "model", "created": srv.created, "owned_by": "verispec",
+            "root": str(llm.target.path), "max_model_len": cfg.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": cfg.model_name, "object": "model", "created": srv.created, "owned_by": "verispec",
-                "root": str(llm.target.path), "max_model_len": cfg.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        srv.check_model(model_id)
+        return card
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
