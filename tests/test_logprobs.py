@@ -2,6 +2,7 @@
 vanilla and speculative decoding, one entry per output token."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -124,3 +125,16 @@ def test_n_outputs_per_prompt_like_vllm(target):
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=0)
+
+
+def test_cli_generate_json_with_logprobs_and_penalties(capsys, llm):
+    from verispec.cli import main
+    argv = ["generate", "--prompt", "The sky is", "--max-tokens", "6", "--json", "--logprobs", "2",
+            "--repetition-penalty", "1.2", "--speculative-config", '{"method": "ngram"}']
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.2, logprobs=2))[0]
+    assert out["token_ids"] == want.token_ids
+    assert [e["token_id"] for e in out["logprobs"]] == want.token_ids and all(len(e["top"]) == 2 for e in out["logprobs"])
+    assert main(["generate", "--prompt", "x", "--min-p", "3"]) == 2
+    assert "min_p must be in [0, 1]" in capsys.readouterr().err

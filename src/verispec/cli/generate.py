@@ -16,6 +16,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
@@ -29,6 +33,8 @@ def add_parser(sub) -> None:
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, metrics)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each output token's target logprob and the K best alternatives")
     g.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="interactive chat in the terminal",
@@ -41,7 +47,10 @@ def add_parser(sub) -> None:
 def _params(args):
     from ..sampling import SamplingParams
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                          max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                          min_p=args.min_p, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                          logprobs=getattr(args, "logprobs", None))
 
 
 def _llm(args):
@@ -72,8 +81,10 @@ def cmd_generate(args) -> int:
     printer = _StreamPrinter(llm) if args.stream and not args.json else None
     out = llm.generate([prompt], params, on_tokens=printer)[0]
     if args.json:
+        lps = None if out.logprobs is None else [{"token_id": e.token_id, "logprob": e.logprob, "rank": e.rank,
+                                                  "top": [list(t) for t in e.top]} for e in out.logprobs]
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "metrics": vars(out.metrics)}))
+                          "metrics": vars(out.metrics), "logprobs": lps}))
         return 0
     if printer is None:
         print(out.text)
