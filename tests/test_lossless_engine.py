@@ -257,3 +257,37 @@ def test_engine_is_lossless_with_penalties_and_min_p(tree, single_thread):
     assert _pvalue(counts, exact) > P_BOUND
     plain = _exact_tiny(target, prompt, SamplingParams(temperature=1.0, max_tokens=5))
     assert sum(abs(exact[k] - plain[k]) for k in exact) > 0.2      # the penalties matter here
+
+
+@pytest.mark.parametrize("tree", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]], ids=["chain", "tree"])
+def test_engine_is_lossless_with_min_tokens(tree, single_thread):
+    """``min_tokens`` 2 with EOS = token 4: the first two output tokens are drawn with EOS removed,
+    the third may end the sequence; the engine's joint equals that sequential process."""
+    target, draft = _tiny(0), _tiny(0, noise=0.3)
+    prompt = [1, 2, 3, 1, 2]
+    params = SamplingParams(temperature=1.0, max_tokens=5, min_tokens=2)
+    n, batch = 3000, 500
+    drafter = DraftModelDrafter(draft, max_batch=batch, max_len=16, num_speculative_tokens=2, tree=tree)
+    engine = Engine(target, drafter, max_batch=batch, max_len=16 + drafter.max_tree_nodes + 2, eos_token_ids=(4,))
+    seqs = [Sequence(prompt_ids=prompt, params=SamplingParams(**{**vars(params), "seed": i})) for i in range(n)]
+    with torch.no_grad():
+        engine.run(seqs)
+    assert engine.stats.num_accepted_tokens > 0.1 * engine.stats.num_drafts
+    counts: dict = {}
+    for s in seqs:
+        assert 4 not in s.output_ids[:2] and len(s.output_ids) >= 2
+        counts[tuple(s.output_ids[:3])] = counts.get(tuple(s.output_ids[:3]), 0) + 1
+    exact: dict = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(8), repeat=3):
+            pr = 1.0
+            for i in range(3):
+                ids = prompt + list(seq[:i])
+                logits = target(torch.tensor([ids]), torch.arange(len(ids))[None]).logits[0, -1].clone()
+                if i < 2:
+                    logits[4] = float("-inf")
+                pr *= float(torch.softmax(logits, -1)[seq[i]])
+            key = seq[:2] if seq[2] == 4 else seq              # EOS ends the output (not appended)
+            exact[key] = exact.get(key, 0.0) + pr
+    assert _pvalue(counts, exact) > P_BOUND
+    assert sum(c for k, c in counts.items() if len(k) == 2) > 20      # some did end at the third token

@@ -73,3 +73,21 @@ def test_greedy_with_penalties_equals_vanilla(target, chat_prompts, spec):
     assert sum(g.metrics.num_accepted_tokens for g in got) > 0
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4},
+                                  {"method": "draft_model", "model": "self", "self_draft_layers": 6,
+                                   "tree": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]}], ids=["ngram", "self_draft_tree"])
+def test_greedy_min_tokens_equals_vanilla(target, llm, spec):
+    """A prompt whose greedy answer ends early: with min_tokens 24 it goes on, and speculation
+    reproduces the longer answer token for token (drafts of EOS are rejected where it is masked)."""
+    ids = llm.tokenizer(llm.apply_chat_template([{"role": "user", "content": "Reply with one word: yes or no?"}]),
+                        add_special_tokens=False).input_ids
+    short = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=40))[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 24
+    sp = SamplingParams(temperature=0, max_tokens=40, min_tokens=24)
+    want = llm.generate({"prompt_token_ids": ids}, sp)[0]
+    got = LLM(loaded=target, speculative_config=spec).generate({"prompt_token_ids": ids}, sp)[0]
+    assert len(want.token_ids) >= 24 and got.token_ids == want.token_ids
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

@@ -266,12 +266,12 @@ def test_openai_client_logprobs_match_llm_generate(servers, llm, which):
 @pytest.mark.parametrize("which", ["plain", "guarded"])
 def test_penalties_and_min_p_match_llm_generate(servers, llm, which):
     client = servers[which].client()
-    kw = dict(presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.2)
+    kw = dict(presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.2, min_tokens=16)
     ref = _ref(llm, PROMPTS[1], 16, **kw)
     assert ref.token_ids != _ref(llm, PROMPTS[1], 16).token_ids          # the penalties matter here
     out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0,
                                     presence_penalty=0.5, frequency_penalty=0.4,
-                                    extra_body={"repetition_penalty": 1.2, "min_p": 0.05})
+                                    extra_body={"repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 16})
     assert out.choices[0].text == ref.text
 
 

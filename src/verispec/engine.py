@@ -108,7 +108,7 @@ class Engine:
                 seq.row = -1
             raise
         for seq, (logits, feats) in zip(seqs, results):
-            seq.root = self._sample(self._penalize(seq, logits[None])[0], seq)
+            seq.root = self._sample(self._target_rows(seq, logits[None])[0], seq)
             self.running.append(seq)
             if self.drafter is not None:
                 self.drafter.start(seq.row, list(seq.prompt_ids), feats)
@@ -171,12 +171,23 @@ class Engine:
             return (), False
         return tuple(dict.fromkeys(self.drafter.hidden_layers)), bool(self.drafter.needs_last_hidden)
 
-    @staticmethod
-    def _penalize(seq: Sequence, logits: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
-        """The target rows the request samples from: penalised when it asks for penalties."""
-        if not penalized(seq.params):
-            return logits
-        return apply_penalties(logits, seq.params, seq.prompt_ids, seq.output_ids, tree)
+    def _target_rows(self, seq: Sequence, logits: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
+        """The target rows the request samples from (root, nodes...): penalised when it asks for
+        penalties; with ``min_tokens``, end tokens (EOS unless ignored, ``stop_token_ids``) get
+        -inf in rows that would emit an output token before that count."""
+        p = seq.params
+        if penalized(p):
+            logits = apply_penalties(logits, p, seq.prompt_ids, seq.output_ids, tree)
+        if p.min_tokens > len(seq.output_ids):
+            ends = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos))
+            depth = torch.zeros(logits.shape[0], dtype=torch.long)
+            if tree is not None and len(tree):
+                depth[1:] = tree.depth
+            early = (len(seq.output_ids) + depth) < p.min_tokens        # output index each row emits
+            if ends and bool(early.any()):
+                logits = logits.clone()
+                logits[early.nonzero().flatten()[:, None], torch.tensor(ends)[None, :]] = float("-inf")
+        return logits
 
     @staticmethod
     def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
@@ -204,7 +215,7 @@ class Engine:
         t2 = time.perf_counter()
         # 3) accept, compact, hand the drafter its tokens and features, emit
         for b, (seq, tree) in enumerate(zip(seqs, trees)):
-            logits = self._penalize(seq, out.logits[b, :len(tree) + 1], tree)
+            logits = self._target_rows(seq, out.logits[b, :len(tree) + 1], tree)
             res = self._accept(tree, logits, seq.params, seq.generator)
             keep = torch.tensor([0] + [n + 1 for n in res.nodes])
             self.cache.compact(seq.row, keep)

@@ -21,6 +21,8 @@ class SamplingParams:
     ``stop``: strings that end generation (not included in the text). ``seed``: per-request RNG.
     ``logprobs``: None (default) reports nothing; ``k`` in 0..20 reports each output token's
     log-probability under the target and the ``k`` most likely alternatives (see ``logprobs``).
+    ``min_tokens``: no end token (EOS, ``stop_token_ids``) before this many output tokens (their
+    target probability is set to 0; stop strings still apply).
     ``n``: outputs per prompt in ``LLM.generate`` (with a seed, output j uses seed + j).
     ``prompt_logprobs``: the same for prompt tokens 1..n-1 (the first token has no distribution).
     ``min_p``: drop tokens below ``min_p`` x the top token's probability (after temperature and
@@ -43,6 +45,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     n: int = 1
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +61,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if not 0.0 <= self.min_p <= 1.0:

@@ -17,6 +17,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS / stop token before this many tokens")
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
@@ -48,7 +49,7 @@ def _params(args):
     from ..sampling import SamplingParams
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-                          min_p=args.min_p, presence_penalty=args.presence_penalty,
+                          min_p=args.min_p, min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
                           logprobs=getattr(args, "logprobs", None))
 

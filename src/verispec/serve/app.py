@@ -181,7 +181,7 @@ class _Server:
                 top_k=-1 if req.top_k is None else req.top_k, max_tokens=max_tokens,
                 seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                logprobs=req.logprob_count(), min_p=req.min_p or 0.0,
+                logprobs=req.logprob_count(), min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
         except ValueError as e:
