@@ -222,6 +222,16 @@ def test_openai_client_chat_and_stop_strings(plain, llm):
         model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=stop, stream=True), chat=True)
     assert full.choices[0].message.content == streamed == ref_stop.text
     assert stop[0] not in streamed and reason == "stop" == full.choices[0].finish_reason
+    # vLLM's include_stop_str_in_output: the text runs to the end of the stop string
+    ref_in = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=16, stop=stop, include_stop_str_in_output=True))[0]
+    assert ref_in.text == ref_stop.text + stop[0]
+    extra = {"include_stop_str_in_output": True}
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=stop,
+                                          extra_body=extra)
+    streamed, reason, _ = _stream_text(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=stop, stream=True, extra_body=extra),
+        chat=True)
+    assert full.choices[0].message.content == streamed == ref_in.text
 
 
 @pytest.mark.parametrize("which", ["plain", "guarded"])
@@ -485,7 +495,7 @@ def _hostile_field_cases() -> list[tuple[str, str, object, dict | None, set[int]
         "min_tokens": [5],
         "use_beam_search": [True],
         "guided_json": [{"type": "object"}],
-        "include_stop_str_in_output": [True],
+        "include_stop_str_in_output": ["yes", 3],
     }
     for base, path in ((_OK_C, _C), (_OK_CH, _CH)):
         for field, values in bad_common.items():

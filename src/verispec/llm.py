@@ -17,7 +17,7 @@ from .engine import Engine, Sequence
 from .logprobs import TokenLogprob
 from .metrics import SpecStats
 from .models.loading import LoadedModel, load_model
-from .sampling import SamplingParams
+from .sampling import SamplingParams, cut_at_stop
 from .spec_config import SpeculativeConfig
 
 PromptType = str | dict
@@ -173,12 +173,7 @@ class LLM:
 
     def _text(self, seq: Sequence) -> str:
         """The decoded output, cut at each stop string in turn."""
-        text = self._decode(seq.output_ids)
-        for s in seq.params.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
-        return text
+        return cut_at_stop(self._decode(seq.output_ids), seq.params.stop, seq.params.include_stop_str_in_output)
 
     def _output(self, seq: Sequence, prompt_text: str | None) -> RequestOutput:
         text = self._text(seq)

@@ -23,6 +23,7 @@ class SamplingParams:
     log-probability under the target and the ``k`` most likely alternatives (see ``logprobs``).
     ``min_tokens``: no end token (EOS, ``stop_token_ids``) before this many output tokens (their
     target probability is set to 0; stop strings still apply).
+    ``include_stop_str_in_output``: keep the stop string that ended the text (see ``cut_at_stop``).
     ``n``: outputs per prompt in ``LLM.generate`` (with a seed, output j uses seed + j).
     ``prompt_logprobs``: the same for prompt tokens 1..n-1 (the first token has no distribution).
     ``min_p``: drop tokens below ``min_p`` x the top token's probability (after temperature and
@@ -46,6 +47,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     n: int = 1
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,6 +107,15 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def cut_at_stop(text: str, stop: list[str], include: bool = False) -> str:
+    """The output text: cut at each stop string in turn (before it, or after it with ``include``)."""
+    for s in stop:
+        i = text.find(s)
+        if i >= 0:
+            text = text[:i + len(s) if include else i]
+    return text
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -182,6 +182,7 @@ class _Server:
                 seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                 logprobs=req.logprob_count(), min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0,
+                include_stop_str_in_output=req.include_stop_str_in_output,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
         except ValueError as e:
@@ -192,7 +193,8 @@ class _Server:
         if self.cfg.response_cache <= 0 or not p.greedy or p.logprobs is not None or p.prompt_logprobs is not None:
             return None
         return (tuple(ids), p.max_tokens, tuple(p.stop), tuple(p.stop_token_ids), p.ignore_eos,
-                p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+                p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens,
+                p.include_stop_str_in_output)
 
     def cache_get(self, key: tuple | None) -> tuple[list[int], str] | None:
         if key is None or key not in self.cache:

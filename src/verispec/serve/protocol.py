@@ -19,7 +19,7 @@ Seed = Annotated[StrictInt, Field(ge=-2**63, le=2**64 - 1)]
 # vLLM request extras this server does not implement: a request that sets one to anything but its
 # default is refused rather than silently answered without it.
 UNSUPPORTED_EXTRAS: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
+    "use_beam_search": False, "length_penalty": 1.0,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "bad_words": [],
     "allowed_token_ids": None, "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "truncate_prompt_tokens": None,
@@ -55,6 +55,7 @@ class _Common(BaseModel):
     repetition_penalty: Annotated[Float, Field(gt=0.0, le=100.0)] | None = None     # vLLM's extra
     min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None                    # vLLM's extra
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None                     # vLLM's extra
+    include_stop_str_in_output: StrictBool = False                                   # vLLM's extra
     logit_bias: dict[str, Float] | None = None
 
     def unsupported(self) -> str | None:

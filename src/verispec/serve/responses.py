@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, cut_at_stop
 from ..logprobs import TokenLogprob
 from .logprob_format import LogprobFormatter
 from .scheduler import RequestFailed, TokenEvent
@@ -39,20 +39,11 @@ class ClientGone(Exception):
 
 
 # ---------------------------------------------------------------------------- text streaming
-def cut_at_stop(text: str, stop: list[str]) -> str:
-    """The text ``LLM.generate`` returns: cut at each stop string in turn."""
-    for s in stop:
-        i = text.find(s)
-        if i >= 0:
-            text = text[:i]
-    return text
-
-
 class TextStream:
     """Turns token-id increments into text deltas whose concatenation is the final text."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
-        self.decode, self.stop = decode, stop
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], include_stop: bool = False):
+        self.decode, self.stop, self.include_stop = decode, stop, include_stop
         self.ids: list[int] = []
         self.sent = 0
         self.text = ""
@@ -61,7 +52,7 @@ class TextStream:
         self.ids.extend(new_ids)
         text = self.decode(self.ids)
         if finished:
-            self.text = cut_at_stop(text, self.stop)
+            self.text = cut_at_stop(text, self.stop, self.include_stop)      # as LLM.generate returns it
             safe = len(self.text)
         else:                  # hold back a partial character and a possible start of a stop string
             safe = len(text.rstrip("\ufffd"))
@@ -221,7 +212,7 @@ def make_choices(streams: list[AsyncIterator[TokenEvent]], params: list[Sampling
                  echo: list[tuple[str, list[int]] | None] | None = None, score_only: bool = False) -> list[Choice]:
     """One ``Choice`` per stream, indexed in order; ``params`` / ``echo`` per stream."""
     echo = echo or [None] * len(streams)
-    return [Choice(i, ev, TextStream(decode, p.stop),
+    return [Choice(i, ev, TextStream(decode, p.stop, p.include_stop_str_in_output),
                    LogprobFormatter(chat, token_texts) if p.logprobs is not None else None, e, score_only)
             for i, (ev, p, e) in enumerate(zip(streams, params, echo))]
 
