@@ -235,17 +235,13 @@ def _exact_tiny_penalized(model, prompt, params, length=3) -> dict:
     return out
 
 
-@pytest.mark.parametrize("tree", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]], ids=["chain", "tree"])
-def test_engine_is_lossless_with_penalties_and_min_p(tree, single_thread):
-    """Repetition, frequency and presence penalties (per tree node: the node's own root path
-    counts as generated) and min-p: the engine's output joint equals sequential penalised sampling."""
+def _tiny_run(params: SamplingParams, tree, eos: tuple[int, ...] = (), n: int = 3000, batch: int = 500):
+    """``n`` seeded sequences of ``params`` through the engine with the tiny target and its noisy
+    draft (chains of 2 or ``tree``); returns (target, prompt, seqs, counts of the first 3 tokens)."""
     target, draft = _tiny(0), _tiny(0, noise=0.3)
     prompt = [1, 2, 3, 1, 2]
-    params = SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.3, frequency_penalty=1.2,
-                            presence_penalty=1.0, max_tokens=5, ignore_eos=True)
-    n, batch = 3000, 500
     drafter = DraftModelDrafter(draft, max_batch=batch, max_len=16, num_speculative_tokens=2, tree=tree)
-    engine = Engine(target, drafter, max_batch=batch, max_len=16 + drafter.max_tree_nodes + 2)
+    engine = Engine(target, drafter, max_batch=batch, max_len=16 + drafter.max_tree_nodes + 2, eos_token_ids=eos)
     seqs = [Sequence(prompt_ids=prompt, params=SamplingParams(**{**vars(params), "seed": i})) for i in range(n)]
     with torch.no_grad():
         engine.run(seqs)
@@ -253,6 +249,16 @@ def test_engine_is_lossless_with_penalties_and_min_p(tree, single_thread):
     counts: dict = {}
     for s in seqs:
         counts[tuple(s.output_ids[:3])] = counts.get(tuple(s.output_ids[:3]), 0) + 1
+    return target, prompt, seqs, counts
+
+
+@pytest.mark.parametrize("tree", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]], ids=["chain", "tree"])
+def test_engine_is_lossless_with_penalties_and_min_p(tree, single_thread):
+    """Repetition, frequency and presence penalties (per tree node: the node's own root path
+    counts as generated) and min-p: the engine's output joint equals sequential penalised sampling."""
+    params = SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.3, frequency_penalty=1.2,
+                            presence_penalty=1.0, max_tokens=5, ignore_eos=True)
+    target, prompt, _, counts = _tiny_run(params, tree)
     exact = _exact_tiny_penalized(target, prompt, params)
     assert _pvalue(counts, exact) > P_BOUND
     plain = _exact_tiny(target, prompt, SamplingParams(temperature=1.0, max_tokens=5))
@@ -263,20 +269,8 @@ def test_engine_is_lossless_with_penalties_and_min_p(tree, single_thread):
 def test_engine_is_lossless_with_min_tokens(tree, single_thread):
     """``min_tokens`` 2 with EOS = token 4: the first two output tokens are drawn with EOS removed,
     the third may end the sequence; the engine's joint equals that sequential process."""
-    target, draft = _tiny(0), _tiny(0, noise=0.3)
-    prompt = [1, 2, 3, 1, 2]
-    params = SamplingParams(temperature=1.0, max_tokens=5, min_tokens=2)
-    n, batch = 3000, 500
-    drafter = DraftModelDrafter(draft, max_batch=batch, max_len=16, num_speculative_tokens=2, tree=tree)
-    engine = Engine(target, drafter, max_batch=batch, max_len=16 + drafter.max_tree_nodes + 2, eos_token_ids=(4,))
-    seqs = [Sequence(prompt_ids=prompt, params=SamplingParams(**{**vars(params), "seed": i})) for i in range(n)]
-    with torch.no_grad():
-        engine.run(seqs)
-    assert engine.stats.num_accepted_tokens > 0.1 * engine.stats.num_drafts
-    counts: dict = {}
-    for s in seqs:
-        assert 4 not in s.output_ids[:2] and len(s.output_ids) >= 2
-        counts[tuple(s.output_ids[:3])] = counts.get(tuple(s.output_ids[:3]), 0) + 1
+    target, prompt, seqs, counts = _tiny_run(SamplingParams(temperature=1.0, max_tokens=5, min_tokens=2), tree, (4,))
+    assert all(4 not in s.output_ids[:2] and len(s.output_ids) >= 2 for s in seqs)
     exact: dict = {}
     with torch.no_grad():
         for seq in itertools.product(range(8), repeat=3):
