@@ -91,3 +91,18 @@ def test_greedy_min_tokens_equals_vanilla(target, llm, spec):
     assert len(want.token_ids) >= 24 and got.token_ids == want.token_ids
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_logit_bias_steers_target_rows_and_is_checked(target, llm):
+    tok = llm.encode_prompt(" banana")[1][-1]
+    sp = SamplingParams(temperature=0, max_tokens=6, logit_bias={tok: 100.0})
+    fast = LLM(loaded=target, speculative_config={"method": "ngram"})
+    for out in (llm.generate("I like", sp)[0], fast.generate("I like", sp)[0]):
+        assert out.token_ids == [tok] * 6
+    logits = torch.zeros(2, 10)
+    biased = apply_penalties(logits, SamplingParams(logit_bias={3: -5.0, 7: 2.5}), [], [1])
+    assert biased[:, 3].tolist() == [-5.0, -5.0] and biased[:, 7].tolist() == [2.5, 2.5]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate("I like", SamplingParams(max_tokens=2, logit_bias={10**7: 1.0}))
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 500.0})

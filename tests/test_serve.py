@@ -283,6 +283,10 @@ def test_penalties_and_min_p_match_llm_generate(servers, llm, which):
                                     presence_penalty=0.5, frequency_penalty=0.4,
                                     extra_body={"repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 16})
     assert out.choices[0].text == ref.text
+    tok = llm.encode_prompt(" banana")[1][-1]
+    biased = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                       logit_bias={str(tok): 100})
+    assert biased.choices[0].text == _ref(llm, PROMPTS[1], 4, logit_bias={tok: 100.0}).text == " banana" * 4
 
 
 def test_echo_prompt_logprobs_and_prompt_batches_as_lm_eval_sends_them(guarded, llm):
@@ -487,7 +491,7 @@ def _hostile_field_cases() -> list[tuple[str, str, object, dict | None, set[int]
         "model": ["gpt-4", 123, ["x"]],
         "stop_token_ids": ["x", [1.5], list(range(1000))],
         "ignore_eos": ["no", 3],
-        "logit_bias": [{"1": 5}, "x"],
+        "logit_bias": [{"x": 5}, "x", {"1": 101}, {"99999999": 1}, {"-1": 1}],
         "presence_penalty": [2.5, "x", float("nan")],
         "frequency_penalty": [-2.1],
         "repetition_penalty": [0, -1, "x", 1000],

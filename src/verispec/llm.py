@@ -138,6 +138,9 @@ class LLM:
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        vocab = self.target.config.vocab_size
+        if any(t >= vocab for sp in params for t in (sp.logit_bias or {})):
+            raise ValueError(f"logit_bias names a token id outside the vocabulary of {vocab}")
         encoded = [self.encode_prompt(p) for p in prompts]
         seqs, owner = [], []
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):

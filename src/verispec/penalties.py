@@ -1,10 +1,12 @@
-"""Repetition, frequency and presence penalties on target logits, per draft-tree node.
+"""Repetition, frequency and presence penalties (and OpenAI's logit bias) on target logits, per
+draft-tree node.
 
 Definitions (OpenAI's and vLLM's):
 - ``frequency_penalty`` f and ``presence_penalty`` r act on the *generated* tokens:
   ``logit[t] -= f * count(t) + r * (count(t) > 0)``;
 - ``repetition_penalty`` rp (HF / CTRL) acts on every token seen, prompt and generated: a positive
-  logit is divided by rp, a negative one multiplied by rp.
+  logit is divided by rp, a negative one multiplied by rp;
+- ``logit_bias`` adds a fixed value per token id, applied last.
 They define the target distribution of the next token given everything before it. In a draft
 tree the "generated" tokens of a node are the request's output so far (which ends with the root)
 plus the node's own root path, so each row of the verification forward gets its own counts.
@@ -22,7 +24,8 @@ from .tree import DraftTree
 
 
 def penalized(params: SamplingParams) -> bool:
-    return bool(params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1.0)
+    return bool(params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1.0
+                or params.logit_bias)
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
@@ -50,4 +53,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         x -= params.frequency_penalty * counts
     if params.presence_penalty:
         x -= params.presence_penalty * (counts > 0).float()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        if int(ids.max()) >= v:
+            raise ValueError(f"logit_bias names token {int(ids.max())}, outside the vocabulary of {v}")
+        x[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=x.dtype)
     return x

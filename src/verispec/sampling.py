@@ -23,6 +23,7 @@ class SamplingParams:
     log-probability under the target and the ``k`` most likely alternatives (see ``logprobs``).
     ``min_tokens``: no end token (EOS, ``stop_token_ids``) before this many output tokens (their
     target probability is set to 0; stop strings still apply).
+    ``logit_bias``: token id -> value in [-100, 100] added to the target logits (OpenAI's).
     ``include_stop_str_in_output``: keep the stop string that ended the text (see ``cut_at_stop``).
     ``n``: outputs per prompt in ``LLM.generate`` (with a seed, output j uses seed + j).
     ``prompt_logprobs``: the same for prompt tokens 1..n-1 (the first token has no distribution).
@@ -48,6 +49,7 @@ class SamplingParams:
     n: int = 1
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +68,9 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
                 not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        for tok, bias in (self.logit_bias or {}).items():
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {tok!r}: {bias!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if not 0.0 <= self.min_p <= 1.0:

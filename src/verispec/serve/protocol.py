@@ -2,7 +2,7 @@
 
 Unknown fields are kept and ignored (as OpenAI does); wrong types and out-of-range values fail
 validation (the app answers 400). ``unsupported()`` names a valid field value this server cannot
-honour (logit_bias, suffix, tools, vLLM extras, ...), or returns None. ``n`` (1..16) choices are separate
+honour (suffix, tools, vLLM extras, ...), or returns None. ``n`` (1..16) choices are separate
 engine requests. ``logprob_count()``: how many top
 logprobs the request asks for (None: no logprobs).
 """
@@ -56,12 +56,21 @@ class _Common(BaseModel):
     min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None                    # vLLM's extra
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None                     # vLLM's extra
     include_stop_str_in_output: StrictBool = False                                   # vLLM's extra
-    logit_bias: dict[str, Float] | None = None
+    logit_bias: dict[str, Annotated[Float, Field(ge=-100.0, le=100.0)]] | None = None
+
+    def bias(self, vocab: int) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids; raises ValueError for a key that is not one."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit() or int(key) >= vocab:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}")
+            out[int(key)] = value
+        return out
 
     def unsupported(self) -> str | None:
         """Why this request asks for something this server cannot do, or None."""
-        if self.logit_bias:
-            return "logit_bias is not supported"
         extra = self.model_extra or {}
         for name, default in UNSUPPORTED_EXTRAS.items():
             if name in extra and extra[name] is not None and extra[name] != default:
