@@ -106,3 +106,17 @@ def test_logit_bias_steers_target_rows_and_is_checked(target, llm):
         llm.generate("I like", SamplingParams(max_tokens=2, logit_bias={10**7: 1.0}))
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={3: 500.0})
+
+
+def test_allowed_token_ids_restrict_every_row(target, llm):
+    allowed = llm.encode_prompt(" yes no maybe")[1][-3:]
+    sp = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=allowed)
+    fast = LLM(loaded=target, speculative_config={"method": "draft_model", "model": "self", "self_draft_layers": 6})
+    want, got = llm.generate("Answer:", sp)[0], fast.generate("Answer:", sp)[0]
+    assert set(want.token_ids) <= set(allowed) and got.token_ids == want.token_ids
+    sampled = llm.generate("Answer:", SamplingParams(temperature=1.0, max_tokens=8, seed=1, allowed_token_ids=allowed))[0]
+    assert set(sampled.token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate("Answer:", SamplingParams(max_tokens=2, allowed_token_ids=[10**7]))

@@ -287,6 +287,10 @@ def test_penalties_and_min_p_match_llm_generate(servers, llm, which):
     biased = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0,
                                        logit_bias={str(tok): 100})
     assert biased.choices[0].text == _ref(llm, PROMPTS[1], 4, logit_bias={tok: 100.0}).text == " banana" * 4
+    allowed = llm.encode_prompt(" yes no")[1][-2:]
+    only = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                     extra_body={"allowed_token_ids": allowed})
+    assert only.choices[0].text == _ref(llm, PROMPTS[1], 4, allowed_token_ids=allowed).text
 
 
 def test_echo_prompt_logprobs_and_prompt_batches_as_lm_eval_sends_them(guarded, llm):
@@ -492,6 +496,7 @@ def _hostile_field_cases() -> list[tuple[str, str, object, dict | None, set[int]
         "stop_token_ids": ["x", [1.5], list(range(1000))],
         "ignore_eos": ["no", 3],
         "logit_bias": [{"x": 5}, "x", {"1": 101}, {"99999999": 1}, {"-1": 1}],
+        "allowed_token_ids": [[], [-1], [10**9], "x"],
         "presence_penalty": [2.5, "x", float("nan")],
         "frequency_penalty": [-2.1],
         "repetition_penalty": [0, -1, "x", 1000],

@@ -139,8 +139,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         vocab = self.target.config.vocab_size
-        if any(t >= vocab for sp in params for t in (sp.logit_bias or {})):
-            raise ValueError(f"logit_bias names a token id outside the vocabulary of {vocab}")
+        for sp in params:
+            for what, ids in (("logit_bias", sp.logit_bias or {}), ("allowed_token_ids", sp.allowed_token_ids or [])):
+                if any(t >= vocab for t in ids):
+                    raise ValueError(f"{what} names a token id outside the vocabulary of {vocab}")
         encoded = [self.encode_prompt(p) for p in prompts]
         seqs, owner = [], []
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):

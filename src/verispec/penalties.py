@@ -6,7 +6,8 @@ Definitions (OpenAI's and vLLM's):
   ``logit[t] -= f * count(t) + r * (count(t) > 0)``;
 - ``repetition_penalty`` rp (HF / CTRL) acts on every token seen, prompt and generated: a positive
   logit is divided by rp, a negative one multiplied by rp;
-- ``logit_bias`` adds a fixed value per token id, applied last.
+- ``logit_bias`` adds a fixed value per token id, then ``allowed_token_ids`` sets every other
+  token to -inf.
 They define the target distribution of the next token given everything before it. In a draft
 tree the "generated" tokens of a node are the request's output so far (which ends with the root)
 plus the node's own root path, so each row of the verification forward gets its own counts.
@@ -25,7 +26,7 @@ from .tree import DraftTree
 
 def penalized(params: SamplingParams) -> bool:
     return bool(params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1.0
-                or params.logit_bias)
+                or params.logit_bias or params.allowed_token_ids is not None)
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
@@ -54,8 +55,17 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     if params.presence_penalty:
         x -= params.presence_penalty * (counts > 0).float()
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-        if int(ids.max()) >= v:
-            raise ValueError(f"logit_bias names token {int(ids.max())}, outside the vocabulary of {v}")
+        ids = _in_vocab(params.logit_bias, v, "logit_bias")
         x[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=x.dtype)
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(v, dtype=torch.bool)
+        keep[_in_vocab(params.allowed_token_ids, v, "allowed_token_ids")] = True
+        x = x.masked_fill(~keep, float("-inf"))
     return x
+
+
+def _in_vocab(ids, v: int, what: str) -> torch.Tensor:
+    t = torch.tensor(list(ids), dtype=torch.long)
+    if int(t.max()) >= v:
+        raise ValueError(f"{what} names token {int(t.max())}, outside the vocabulary of {v}")
+    return t

@@ -23,6 +23,7 @@ class SamplingParams:
     log-probability under the target and the ``k`` most likely alternatives (see ``logprobs``).
     ``min_tokens``: no end token (EOS, ``stop_token_ids``) before this many output tokens (their
     target probability is set to 0; stop strings still apply).
+    ``allowed_token_ids``: only these tokens can be emitted (vLLM's; the others get -inf).
     ``logit_bias``: token id -> value in [-100, 100] added to the target logits (OpenAI's).
     ``include_stop_str_in_output``: keep the stop string that ended the text (see ``cut_at_stop``).
     ``n``: outputs per prompt in ``LLM.generate`` (with a seed, output j uses seed + j).
@@ -50,6 +51,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +73,9 @@ class SamplingParams:
         for tok, bias in (self.logit_bias or {}).items():
             if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {tok!r}: {bias!r}")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if not 0.0 <= self.min_p <= 1.0:

@@ -175,9 +175,9 @@ class _Server:
                                 f"{max_tokens} in the completion). Please reduce the length of the "
                                 f"{kind} or completion.", param=kind, code="context_length_exceeded")
         try:
-            bias = req.bias(self.llm.target.config.vocab_size)
+            vocab = self.llm.target.config.vocab_size
             return SamplingParams(
-                logit_bias=bias, temperature=1.0 if req.temperature is None else req.temperature,
+                logit_bias=req.bias(vocab), allowed_token_ids=req.allowed(vocab), temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k is None else req.top_k, max_tokens=max_tokens,
                 seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
@@ -195,7 +195,8 @@ class _Server:
             return None
         return (tuple(ids), p.max_tokens, tuple(p.stop), tuple(p.stop_token_ids), p.ignore_eos,
                 p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens,
-                p.include_stop_str_in_output, tuple(sorted((p.logit_bias or {}).items())))
+                p.include_stop_str_in_output, tuple(sorted((p.logit_bias or {}).items())),
+                tuple(p.allowed_token_ids or ()))
 
     def cache_get(self, key: tuple | None) -> tuple[list[int], str] | None:
         if key is None or key not in self.cache:

@@ -21,7 +21,7 @@ Seed = Annotated[StrictInt, Field(ge=-2**63, le=2**64 - 1)]
 UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "bad_words": [],
-    "allowed_token_ids": None, "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
+    "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "truncate_prompt_tokens": None,
     "add_generation_prompt": True, "continue_final_message": False, "echo": False,
 }
@@ -56,7 +56,14 @@ class _Common(BaseModel):
     min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None                    # vLLM's extra
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None                     # vLLM's extra
     include_stop_str_in_output: StrictBool = False                                   # vLLM's extra
+    allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
     logit_bias: dict[str, Annotated[Float, Field(ge=-100.0, le=100.0)]] | None = None
+
+    def allowed(self, vocab: int) -> list[int] | None:
+        """``allowed_token_ids``, checked against the vocabulary (ValueError)."""
+        if self.allowed_token_ids and max(self.allowed_token_ids) >= vocab:
+            raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab})")
+        return self.allowed_token_ids
 
     def bias(self, vocab: int) -> dict[int, float] | None:
         """``logit_bias`` with integer token ids; raises ValueError for a key that is not one."""
