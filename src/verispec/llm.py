@@ -5,7 +5,6 @@ This is the only layer that knows the tokenizer: it turns prompts into token ids
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence as Seq
@@ -138,18 +137,14 @@ class LLM:
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        vocab = self.target.config.vocab_size
         for sp in params:
-            for what, ids in (("logit_bias", sp.logit_bias or {}), ("allowed_token_ids", sp.allowed_token_ids or [])):
-                if any(t >= vocab for t in ids):
-                    raise ValueError(f"{what} names a token id outside the vocabulary of {vocab}")
+            sp.check_vocab(self.target.config.vocab_size)
         encoded = [self.encode_prompt(p) for p in prompts]
         seqs, owner = [], []
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
             for j in range(sp.n):
                 cb = (lambda s, new, k=len(seqs): on_tokens(k, new)) if on_tokens else None
-                spj = sp if j == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + j)
-                seqs.append(Sequence(prompt_ids=ids, params=spj, on_tokens=cb))
+                seqs.append(Sequence(prompt_ids=ids, params=sp.for_choice(j), on_tokens=cb))
                 owner.append(i)
         need = max(min(len(s.prompt_ids) + s.params.max_tokens, self.max_model_len) for s in seqs)
         engine = self.make_engine(min(len(seqs), self.max_num_seqs), need)

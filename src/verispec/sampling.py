@@ -6,6 +6,7 @@ and top-p act on target and draft the same way. Knows nothing about models or dr
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,16 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+
+    def for_choice(self, j: int) -> "SamplingParams":
+        """The params of output j of ``n``: with a seed, seed + j (output 0 is these params)."""
+        return self if j == 0 or self.seed is None else dataclasses.replace(self, seed=self.seed + j)
+
+    def check_vocab(self, vocab: int) -> None:
+        """Raise ValueError when ``logit_bias`` or ``allowed_token_ids`` names a token id >= vocab."""
+        for what, ids in (("logit_bias", self.logit_bias or {}), ("allowed_token_ids", self.allowed_token_ids or [])):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{what} names a token id outside the vocabulary of {vocab}")
 
     @property
     def greedy(self) -> bool:

@@ -175,9 +175,9 @@ class _Server:
                                 f"{max_tokens} in the completion). Please reduce the length of the "
                                 f"{kind} or completion.", param=kind, code="context_length_exceeded")
         try:
-            vocab = self.llm.target.config.vocab_size
-            return SamplingParams(
-                logit_bias=req.bias(vocab), allowed_token_ids=req.allowed(vocab), temperature=1.0 if req.temperature is None else req.temperature,
+            params = SamplingParams(
+                logit_bias=req.bias(), allowed_token_ids=req.allowed_token_ids,
+                temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k is None else req.top_k, max_tokens=max_tokens,
                 seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
@@ -186,6 +186,8 @@ class _Server:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+            params.check_vocab(self.llm.target.config.vocab_size)          # as LLM.generate checks
+            return params
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
@@ -245,7 +247,7 @@ class _Server:
         items, echoes = [], []
         for (text, ids), p in zip(prompts, params):
             for j in range(req.n):
-                items.append((ids, p if p.seed is None or j == 0 else dataclasses.replace(p, seed=p.seed + j)))
+                items.append((ids, p.for_choice(j)))
                 echoes.append((text, ids) if echo else None)
         choices = make_choices(self.submit(items), [p for _, p in items], shape.chat, self.decode,
                                self.token_texts.get, echoes, score_only)

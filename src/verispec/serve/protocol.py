@@ -59,20 +59,15 @@ class _Common(BaseModel):
     allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
     logit_bias: dict[str, Annotated[Float, Field(ge=-100.0, le=100.0)]] | None = None
 
-    def allowed(self, vocab: int) -> list[int] | None:
-        """``allowed_token_ids``, checked against the vocabulary (ValueError)."""
-        if self.allowed_token_ids and max(self.allowed_token_ids) >= vocab:
-            raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab})")
-        return self.allowed_token_ids
-
-    def bias(self, vocab: int) -> dict[int, float] | None:
-        """``logit_bias`` with integer token ids; raises ValueError for a key that is not one."""
+    def bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids (the vocabulary is checked by
+        ``SamplingParams.check_vocab``); raises ValueError for a key that is not an id."""
         if not self.logit_bias:
             return None
         out = {}
         for key, value in self.logit_bias.items():
-            if not key.isdigit() or int(key) >= vocab:
-                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}")
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             out[int(key)] = value
         return out
 
