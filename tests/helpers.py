@@ -45,6 +45,15 @@ def accept_first_children(tree, logits, params, g):
     return AcceptResult(nodes, [int(tree.tokens[i]) for i in nodes] + [final], True)
 
 
+class BrokenAcceptance:
+    """``accept_first_children`` in the engine's acceptance slot (``Engine(acceptance=...)``)."""
+    name = "broken_for_tests"
+    lossy = True
+
+    def __call__(self, tree, logits, params, g):
+        return accept_first_children(tree, logits, params, g)
+
+
 def tiny_llama(vocab: int, hidden: int, layers: int, seed: int = 0):
     """A random tiny Llama-family ``Transformer`` (4 heads of 8, 2 KV heads), eval, no grad."""
     from verispec.models.config import ModelConfig

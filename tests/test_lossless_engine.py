@@ -15,7 +15,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from helpers import accept_first_children
+from helpers import BrokenAcceptance
 from verispec.drafters.draft_model import DraftModelDrafter, with_vocab_head
 from verispec.drafters.ngram import NgramDrafter
 from verispec.engine import Engine, Sequence
@@ -109,15 +109,13 @@ def test_engine_is_lossless_with_tiny_models(tree, temperature, top_p, draft_ids
     assert _pvalue(counts, _exact_tiny(target, prompt, params)) > P_BOUND
 
 
-def test_engine_test_detects_a_biased_engine(monkeypatch, single_thread):
-    """Power check: the same test rejects an engine with a broken verifier."""
-    import verispec.engine as eng
-    monkeypatch.setattr(eng, "accept", accept_first_children)
+def test_engine_test_detects_a_biased_engine(single_thread):
+    """Power check: the same test rejects an engine with a broken verifier (in its acceptance slot)."""
     target, draft = _tiny(0), _tiny(0, noise=0.3)
     prompt = [1, 2, 3, 1, 2]
     params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
     drafter = DraftModelDrafter(draft, max_batch=500, max_len=16, num_speculative_tokens=2)
-    engine = Engine(target, drafter, max_batch=500, max_len=20)
+    engine = Engine(target, drafter, max_batch=500, max_len=20, acceptance=BrokenAcceptance())
     seqs = [Sequence(prompt_ids=prompt, params=SamplingParams(**{**vars(params), "seed": i})) for i in range(1500)]
     with torch.no_grad():
         engine.run(seqs)

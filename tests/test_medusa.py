@@ -14,8 +14,8 @@ from verispec import LLM, SamplingParams
 from verispec.checkpoints import MedusaLayout, save_medusa_heads
 from verispec.drafters.base import DraftRequest, TargetFeatures
 from verispec.drafters.dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
-from verispec.drafters.medusa import (DEFAULT_MEDUSA_CHOICES, MedusaConfig, MedusaDrafter, MedusaHeads,
-                                      TypicalAcceptance, lossy_typical_accept)
+from verispec.acceptance import LOSSLESS, LossyTypicalAcceptance
+from verispec.drafters.medusa import DEFAULT_MEDUSA_CHOICES, MedusaConfig, MedusaDrafter, MedusaHeads
 from verispec.sampling import target_probs
 from verispec.spec_config import SpecConfigError
 from verispec.tree import DraftTree, validate_choices
@@ -144,14 +144,14 @@ def _logits(rows: list[dict[int, float]], vocab: int = 8) -> torch.Tensor:
 
 
 def test_typical_acceptance_rule():
-    cfg = TypicalAcceptance(posterior_threshold=0.09, posterior_alpha=0.3)
+    rule = LossyTypicalAcceptance(posterior_threshold=0.09, posterior_alpha=0.3)
     params = SamplingParams(temperature=1.0)
     # root: flat over 8 tokens -> threshold min(0.09, 0.3/8) = 0.0375; p(token) = 0.125 each
     # node 0 (token 1) below root; node 1 (token 2) below node 0: peaked row p(2)=0.02 fails
     tree = DraftTree(torch.tensor([1, 5, 2, 3]), torch.tensor([-1, -1, 0, 1]))
     rows = [{}, {2: 0.02, 4: 0.9}, {3: 0.5}, {}, {}]            # (root, node0, node1, node2, node3)
     logits = _logits(rows)
-    res = lossy_typical_accept(tree, logits, params, torch.Generator().manual_seed(0), cfg=cfg)
+    res = rule(tree, logits, params, torch.Generator().manual_seed(0))
     # path via node 1 (token 5) then node 3 (token 3, p=0.5 passes) is the longest
     assert res.nodes == [1, 3] and res.tokens[:2] == [5, 3]
     probs = target_probs(logits, params)
@@ -159,31 +159,34 @@ def test_typical_acceptance_rule():
     thr = torch.clamp(0.3 * torch.exp(-ent), max=0.09)
     assert float(probs[1, 2]) <= float(thr[1])                  # the rejected token really fails
     greedy = SamplingParams(temperature=0.0)
-    assert lossy_typical_accept(tree, logits, greedy, None, cfg=cfg) == accept_greedy(tree, logits)
+    assert rule(tree, logits, greedy, None) == accept_greedy(tree, logits)
 
 
 def test_typical_acceptance_is_lossy_and_opt_in(target, folders):
     """A token the target gives 0.1 (above the threshold) is always accepted: lossy. The
-    engine keeps its lossless verifier unless told otherwise: the drafter only offers it."""
-    cfg = TypicalAcceptance()
+    engine keeps its lossless rule unless the config names the lossy one; metrics say which."""
+    rule = LossyTypicalAcceptance()
     tree = DraftTree(torch.tensor([4]), torch.tensor([-1]))
     logits = _logits([{4: 0.1, 0: 0.9}, {}])
-    hits = sum(lossy_typical_accept(tree, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(s),
-                                    cfg=cfg).nodes == [0] for s in range(200))
+    hits = sum(rule(tree, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(s)).nodes == [0]
+               for s in range(200))
     assert hits == 200                                          # lossless would accept ~10%
     plain = LLM(loaded=target, speculative_config={"method": "medusa", "model": str(folders["random_fd"])})
-    assert plain.make_engine(1, 64).drafter.acceptance is None
+    assert plain.make_engine(1, 64).acceptance is LOSSLESS and not LOSSLESS.lossy
     lossy = LLM(loaded=target, speculative_config={"method": "medusa", "model": str(folders["random_fd"]),
                                                    "typical_acceptance": True, "posterior_threshold": 0.2})
-    fn = lossy.make_engine(1, 64).drafter.acceptance
-    assert fn.func is lossy_typical_accept and fn.keywords["cfg"].posterior_threshold == 0.2
+    engine = lossy.make_engine(1, 64)
+    assert engine.acceptance == LossyTypicalAcceptance(posterior_threshold=0.2) and engine.acceptance.lossy
+    out = lossy.generate("Hi", SamplingParams(temperature=0.8, max_tokens=4, seed=0))[0]
+    assert out.metrics.lossy and out.metrics.acceptance == "lossy_typical"
+    assert not plain.generate("Hi", SamplingParams(temperature=0.8, max_tokens=4, seed=0))[0].metrics.lossy
 
 
 def test_config_errors(target, folders, monkeypatch):
     monkeypatch.setattr("verispec.shipped.shipped_head", lambda *a: None)     # as if no head were shipped
     fd = str(folders["random_fd"])
     bad = [({"method": "medusa"}, "needs 'model'"),
-           ({"method": "medusa", "model": fd, "topk": 4}, "static tree"),
+           ({"method": "medusa", "model": fd, "topk": 4}, "'topk' applies to method 'eagle' / 'eagle3'"),
            ({"method": "medusa", "model": fd, "num_speculative_tokens": 4}, "3 Medusa heads"),
            ({"method": "medusa", "model": fd, "tree": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}, "3 Medusa heads"),
            ({"method": "medusa", "model": fd, "posterior_alpha": 0.2}, "typical_acceptance"),

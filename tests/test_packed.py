@@ -86,7 +86,7 @@ def test_greedy_on_packed_target_equals_its_vanilla(packed_target, head_prompts,
     for p, g, w in zip(head_prompts, got, want):
         assert_same_or_tie(packed_target.model, p, g.token_ids, w.token_ids, f"packed {spec['method']}")
     assert sum(o.metrics.num_drafts for o in got) > 0
-    drafter = llm._make_drafter(1, 64)
+    drafter = llm.make_engine(1, 64).drafter
     head = getattr(drafter, "head", None) or getattr(drafter, "heads", None)
     if head is not None:                                   # the heads draft with packed kernels too
         assert any(isinstance(m, PackedFP16Linear) for m in head.modules())

@@ -7,9 +7,17 @@ import pytest
 import torch
 
 from verispec import LLM, SamplingParams
-from verispec.penalties import apply_penalties, penalized
+from verispec.logits import LogitsPipeline
 from verispec.sampling import target_probs
 from verispec.tree import DraftTree
+
+
+def apply_penalties(logits, p, prompt, output, tree=None):
+    return LogitsPipeline.build(p).process(logits, prompt, output, tree)
+
+
+def penalized(p) -> bool:
+    return bool(LogitsPipeline.build(p).processors)
 
 
 def _naive_row(logits, prompt, generated, p: SamplingParams):

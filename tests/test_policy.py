@@ -13,9 +13,8 @@ import random
 import pytest
 import torch
 
-from verispec.drafters.base import DraftRequest
 from verispec.sampling import SamplingParams
-from verispec.serve.policy import AutoPolicy, PolicyDrafter, StaticPolicy, TablePolicy, parse_policy
+from verispec.serve.policy import AutoPolicy, StaticPolicy, TablePolicy, parse_policy
 from verispec.tree import DraftTree
 
 
@@ -252,22 +251,20 @@ def test_prefers_the_faster_budget_and_rechecks_rarely():
     assert run(32, 256, lambda k: 0.5 * (1 + k), half).count(0) >= 256 - 1
 
 
-def test_policy_drafter_reports_the_rows_of_the_padded_verify_forward():
-    class Inner:
+def test_engine_reports_the_rows_of_the_padded_verify_forward(single_thread):
+    """The rows a policy is told are those the verify forward ran: batch x (1 + longest tree)."""
+    from helpers import tiny_llama
+    from verispec.drafters import StatelessDrafter
+    from verispec.engine import Engine, Sequence
+
+    class Sizes(StatelessDrafter):
         max_tree_nodes = 4
-        hidden_layers = ()
-        needs_last_hidden = False
 
         def propose(self, requests):
-            sizes = [4, 1, 0]
-            return [DraftTree(torch.arange(n), torch.arange(n) - 1, None)
-                    for n, _ in zip(sizes, requests)]
+            return [DraftTree(torch.arange(n), torch.arange(n) - 1, None) for n, _ in zip([4, 1, 0], requests)]
 
-    pd = PolicyDrafter(Inner(), TablePolicy({1: 4, 2: 2, 3: 0}))
-    req = DraftRequest(0, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8), torch.Generator())
-    pd.propose([req])
-    assert pd.last_rows == 1 * (1 + 4)
-    pd.propose([req, req])
-    assert pd.last_budget == 2 and pd.last_rows == 2 * (1 + 2)
-    pd.propose([req] * 3)
-    assert pd.last_budget == 0 and pd.last_rows == 3
+    eng = Engine(tiny_llama(10, 16, 2), Sizes(), max_batch=3, max_len=64)
+    eng.add_many([Sequence([1, 2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)) for _ in range(3)])
+    assert eng.step(4).rows == 3 * (1 + 4)
+    assert eng.step(2).rows == 3 * (1 + 2)
+    assert eng.step(0).rows == 3

@@ -28,12 +28,10 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
-from verispec.drafters.base import DraftRequest  # noqa: E402
 from verispec.drafters.ngram import NgramDrafter  # noqa: E402
 from verispec.engine import Engine, Sequence  # noqa: E402
 from verispec.serve.app import ServeConfig, create_app  # noqa: E402
-from verispec.serve.responses import TextStream  # noqa: E402
-from verispec.serve.policy import (AutoPolicy, PolicyDrafter, StaticPolicy, TablePolicy,  # noqa: E402
+from verispec.serve.policy import (AutoPolicy, StaticPolicy, TablePolicy,  # noqa: E402
                                    parse_policy)  # AutoPolicy's own tests: tests/test_policy.py
 from verispec.tree import DraftTree  # noqa: E402
 
@@ -367,18 +365,6 @@ def test_n_choices_whole_and_streamed(plain, llm):
     assert all(reasons[i] == a.choices[i].finish_reason for i in range(3))
 
 
-def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
-    data = "añb→c STOP".encode()
-    tokens = [bytes([b]) for b in data]                    # one byte per token
-
-    def decode(ids):
-        return b"".join(tokens[i] for i in ids).decode("utf-8", errors="replace")
-    ts = TextStream(decode, ["STOP"])
-    deltas = [ts.push([i], False) for i in range(len(tokens) - 1)] + [ts.push([len(tokens) - 1], True)]
-    assert "".join(deltas) == "añb→c " and all("\ufffd" not in d for d in deltas)
-    assert not any(d.endswith(("S", "ST", "STO")) for d in deltas)
-
-
 # ---------------------------------------------------------------------------- continuous batching
 def test_16_concurrent_streams_match_their_solo_outputs(plain, llm, spec_bench):
     """16 streams at once (8 rows: half of them queue) against each prompt decoded alone (batch 1,
@@ -635,30 +621,54 @@ def test_engine_errors_fail_requests_but_not_the_server(llm):
     body = {"model": MODEL, "prompt": "The sky is", "max_tokens": 8, "temperature": 0}
     with InProcessServer(llm, max_num_seqs=2) as srv:
         eng = srv.scheduler.engine
-        real_step, real_add = eng.step, eng.add
-        calls = {"step": 0, "add": 0}
+        real_step, real_prefill = eng.step, eng._prefill
+        calls = {"step": 0, "prefill": 0}
 
-        def bad_step():
+        def bad_step(*args):
             calls["step"] += 1
             eng.step = real_step
             raise RuntimeError("simulated kernel failure")
 
-        def bad_add(seq):
-            calls["add"] += 1
-            eng.add = real_add
-            seq.row = eng.free_rows.pop()      # fail after taking a row, as a failing prefill would
+        def bad_prefill(*args):               # inside Engine.add, after it took a row
+            calls["prefill"] += 1
+            eng._prefill = real_prefill
             raise RuntimeError("simulated prefill failure")
         eng.step = bad_step
         r = srv.post(body)
         assert r.status_code == 500 and "simulated kernel failure" in r.json()["error"]["message"]
-        eng.add = bad_add
+        eng._prefill = bad_prefill
         r = srv.post(body)
         assert r.status_code == 500 and "simulated prefill failure" in r.json()["error"]["message"]
-        assert calls == {"step": 1, "add": 1}
-        assert sorted(eng.free_rows) == [0, 1] and not eng.running
+        assert calls == {"step": 1, "prefill": 1}
+        assert sorted(eng.free_rows) == [0, 1] and not eng.running        # Engine.add is all or nothing
         ok = srv.post(body)
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == _ref(llm, "The sky is", 8).text
         assert srv.scheduler._thread.is_alive() and httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_medusa_typical_acceptance_through_http_is_applied_and_reported(llm):
+    """The lossy rule reaches the server's engine (the same seeded output as ``LLM.generate``
+    with it, not the lossless one) and is reported in the body, every stream chunk and /metrics."""
+    prompt, sp = "Write a short story about a robot.", SamplingParams(temperature=0.9, max_tokens=24, seed=7)
+    lossy = LLM(loaded=llm.target, speculative_config={"method": "medusa", "typical_acceptance": True})
+    want = lossy.generate(prompt, sp)[0]
+    lossless = LLM(loaded=llm.target, speculative_config={"method": "medusa"}).generate(prompt, sp)[0]
+    assert want.metrics.lossy and not lossless.metrics.lossy and want.token_ids != lossless.token_ids
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.9, "seed": 7}
+    with InProcessServer(lossy, max_num_seqs=2) as srv:
+        r = srv.post(body).json()
+        assert r["choices"][0]["text"] == want.text
+        assert r["verispec"] == {"acceptance": "lossy_typical", "lossy": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=dict(body, stream=True), timeout=60) as s:
+            chunks = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert chunks and all(c["verispec"]["lossy"] for c in chunks)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'verispec:spec_decode_lossy_acceptance{rule="lossy_typical"} 1.0' in metrics
+    with InProcessServer(llm, max_num_seqs=1) as srv:
+        r = srv.post(dict(body, max_tokens=2)).json()
+        assert r["verispec"] == {"acceptance": "lossless", "lossy": False}
+        assert 'verispec:spec_decode_lossy_acceptance{rule="lossless"} 0.0' in httpx.get(srv.url + "/metrics").text
 
 
 def test_request_timeout_and_queue_full(llm):
@@ -715,20 +725,27 @@ def test_policy_table_and_parsing():
             parse_policy(bad)
 
 
-def test_policy_drafter_truncates_and_delegates():
+def test_engine_budget_caps_trees_and_skips_proposals(single_thread):
+    """``Engine.step(budget=k)`` cuts every tree to its first k nodes (a connected prefix, q rows
+    alike), proposes nothing at 0, and reports the verified rows; the drafter keeps its state."""
+    from helpers import tiny_llama
     inner = _Recorder()
-    pd = PolicyDrafter(inner, TablePolicy({1: 6, 2: 3, 3: 0}))
-    req = DraftRequest(0, [1, 2, 3], GREEDY16, torch.Generator())
-    pd.start(0, [1, 2], None)
-    (tree,) = pd.propose([req])
-    assert len(tree) == 6 and pd.last_budget == 6
-    trees = pd.propose([req, req])
-    assert all(len(t) == 3 and t.q.shape == (3, 10) and t.parents.tolist() == [-1, -1, 0] for t in trees)
-    assert [len(t) for t in pd.propose([req] * 3)] == [0, 0, 0] and pd.last_budget == 0
-    pd.accept(0, [3], None)
-    pd.release(0)
-    assert inner.calls == ["start", "propose1", "propose2", "accept", "release"]   # budget 0: not asked
-    assert pd.max_tree_nodes == 6 and pd.hidden_layers == () and pd.needs_last_hidden is False
+    eng = Engine(tiny_llama(10, 16, 2), inner, max_batch=3, max_len=64)
+    seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)) for _ in range(3)]
+    eng.add(seqs[0])
+    r = eng.step(6)
+    assert (r.budget, r.rows, eng.stats.num_draft_tokens) == (6, 1 * (1 + 6), 6)
+    eng.add_many(seqs[1:])
+    r = eng.step(3)
+    assert (r.budget, r.rows, eng.stats.num_draft_tokens) == (3, 3 * (1 + 3), 6 + 3 * 3)
+    r = eng.step(0)
+    assert (r.budget, r.rows, eng.stats.num_draft_tokens) == (0, 3, 15) and r.emitted == 3
+    assert eng.step(99).budget == 6 and eng.step().budget == 6          # never above the drafter's size
+    assert inner.calls[:9] == ["start", "propose1", "accept", "start", "start", "propose3"] + ["accept"] * 3
+    assert inner.calls[9:12] == ["accept"] * 3                           # budget 0: not asked to propose
+    for s in seqs:
+        eng.abort(s)
+    assert inner.calls[-3:] == ["release"] * 3 and eng.can_admit() and eng.num_running == 0
 
 
 def test_policy_engine_output_equals_plain_decoding(llm):
@@ -736,16 +753,18 @@ def test_policy_engine_output_equals_plain_decoding(llm):
     target = llm.target
     prompts = [llm.tokenizer(p).input_ids for p in ("a b c a b c a b", "1, 2, 3, 1, 2, 3,", "The cat sat")]
 
-    def run(drafter):
-        eng = Engine(target.model, drafter, max_batch=3, max_len=400, eos_token_ids=llm.eos_token_ids,
-                     decode=llm._decode)
+    def run(drafter, policy=None):
+        eng = Engine(target.model, drafter, max_batch=3, max_len=400, eos_token_ids=llm.eos_token_ids)
         seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=6 + 5 * i))
                 for i, p in enumerate(prompts)]
-        eng.run(seqs)
+        eng.add_many(seqs)
+        if policy is not None:
+            policy.bind(eng.max_tree_nodes)
+        while eng.num_running:
+            eng.step(policy.budget(eng.num_running) if policy is not None else None)
         return [s.output_ids for s in seqs], eng.stats
     plain, _ = run(None)
-    table = TablePolicy({1: 4, 2: 2, 3: 0})
-    spec, stats = run(PolicyDrafter(NgramDrafter(4), table))
+    spec, stats = run(NgramDrafter(4), TablePolicy({1: 4, 2: 2, 3: 0}))
     assert spec == plain
     assert 0 < stats.num_drafts < stats.num_steps          # drafted only once the batch shrank
 

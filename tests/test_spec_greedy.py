@@ -18,7 +18,7 @@ import torch
 
 from helpers import assert_same_or_tie
 from verispec import LLM, SamplingParams
-from verispec.drafters import StatelessDrafter
+from verispec.drafters import StatelessDrafter, register
 from verispec.tree import DraftTree
 
 MAX_TOKENS = 96
@@ -121,11 +121,10 @@ def _llm_with(target, kind, reference, batch):
         return LLM(loaded=target, max_num_seqs=batch,
                    speculative_config={"method": "draft_model", "model": "self", "self_draft_layers": 8,
                                        "tree": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]})
-    llm = LLM(loaded=target, max_num_seqs=batch)
     drafter = {"oracle": OracleDrafter(reference), "oracle_tree": OracleDrafter(reference, wrong_siblings=True),
                "adversarial": AdversarialDrafter(reference)}[kind]
-    llm._make_drafter = lambda max_batch, max_len: drafter
-    return llm
+    register(f"test_{kind}", lambda config, tgt: lambda max_batch, max_len: drafter)   # the public registry
+    return LLM(loaded=target, max_num_seqs=batch, speculative_config={"method": f"test_{kind}"})
 
 
 def _check(target, kind, prompts, reference, batch):

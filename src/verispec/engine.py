@@ -2,10 +2,17 @@
 
     prefill ──► [ propose ──► verify ──► accept ──► emit ] ──► done
 
-The engine knows the target ``Transformer``, a ``Drafter`` (or none: vanilla decoding) and the
-verifier. It knows nothing about tokenization (stop strings are checked through an optional
-``decode`` function), HTTP, or which drafter it drives. Continuous batching: ``add`` sequences
-at any time between ``step`` calls; finished sequences free their rows at once.
+The engine knows the target ``Transformer``, a ``Drafter`` (or none: vanilla decoding) and its
+acceptance rule (``acceptance``: lossless by default; see ``acceptance``). Each sequence's target
+rows go through its ``LogitsPipeline`` (penalties, min_tokens, bias, allowed ids) before the rule
+sees them. It knows nothing about tokenization (stop strings are the output layer's: a sequence's
+``stop_hook`` says after which new token to stop), HTTP, or which drafter it drives.
+
+Continuous batching: ``add`` sequences at any time between ``step`` calls; finished sequences free
+their rows at once. What a scheduler needs is offered here and nowhere else: ``can_admit``,
+``add`` / ``add_many`` (all or nothing: a failure leaves no row taken), ``abort``, and a per-step
+draft budget (``step(budget=k)`` caps every tree at its first k nodes, 0 = plain decoding), with
+a ``StepReport`` of what the step ran.
 """
 from __future__ import annotations
 
@@ -16,15 +23,16 @@ from typing import Callable
 
 import torch
 
+from .acceptance import LOSSLESS, AcceptanceRule
 from .drafters.base import DraftRequest, Drafter, TargetFeatures
+from .logits import LogitsPipeline
 from .logprobs import TokenLogprob, token_logprobs
 from .metrics import SpecStats
 from .models.kv_cache import KVCache
 from .models.transformer import Transformer
-from .penalties import apply_penalties, penalized
-from .sampling import SamplingParams, make_generator, sample, target_probs
+from .params import SamplingParams
+from .sampling import make_generator, sample
 from .tree import DraftTree
-from .verify import accept
 
 PREFILL_CHUNK = 512
 _ids = itertools.count()
@@ -49,29 +57,54 @@ class Sequence:
     first_token_time: float | None = None
     start_time: float = field(default_factory=time.perf_counter)
     end_time: float | None = None
-    _stop_text_len: int = 0
+    # The output layer's stop check: given the tokens a step is about to emit, k when the k-th of
+    # them completes a stop string (the sequence then ends after it, reason "stop"), else None.
+    stop_hook: Callable[[list[int]], int | None] | None = None
+    pipeline: LogitsPipeline | None = None   # built from ``params`` at admission
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one ``step`` ran: for a scheduler's policy and metrics."""
+    seqs: list[Sequence]     # the sequences stepped
+    budget: int              # draft nodes allowed per sequence (the drafter's own size when not capped)
+    rows: int                # target rows of the verify forward: batch x (1 + longest tree)
+    emitted: int             # tokens emitted to the sequences
+    time_s: float
 
 
 class Engine:
     def __init__(self, model: Transformer, drafter: Drafter | None = None, *, max_batch: int,
-                 max_len: int, eos_token_ids: tuple[int, ...] = (),
-                 decode: Callable[[list[int]], str] | None = None,
-                 max_context: int | None = None):
+                 max_len: int, eos_token_ids: tuple[int, ...] = (), max_context: int | None = None,
+                 acceptance: AcceptanceRule = LOSSLESS):
         """``max_len``: cache slots per row (prompt + output + tree slack). ``max_context``: the
-        model's usable context; generation stops with reason "length" when it is reached."""
+        model's usable context; generation stops with reason "length" when it is reached.
+        ``acceptance``: the rule that decides which draft tokens are kept (lossless default)."""
+        if not isinstance(acceptance, AcceptanceRule):
+            raise TypeError(f"acceptance must be an AcceptanceRule (name, lossy, __call__), got {acceptance!r}")
         self.model = model
-        self.drafter = drafter
+        self._drafter = drafter
+        self.acceptance = acceptance
         dtype = next(model.parameters()).dtype
         self.cache = KVCache.for_model(model.cfg, max_batch, max_len, dtype)
         self.eos = set(eos_token_ids)
-        self.decode = decode
-        self.max_context = min(max_context or max_len, max_len - 1 - self._tree_slack())
+        self.max_context = min(max_context or max_len, max_len - 1 - self.max_tree_nodes)
         self.free_rows = list(range(max_batch))[::-1]
         self.running: list[Sequence] = []
-        self.stats = SpecStats()
+        self.stats = SpecStats(acceptance=acceptance.name, lossy=acceptance.lossy)
 
-    def _tree_slack(self) -> int:
-        return self.drafter.max_tree_nodes if self.drafter is not None else 0
+    @property
+    def drafter(self) -> Drafter | None:
+        return self._drafter
+
+    @property
+    def max_tree_nodes(self) -> int:
+        """The most draft nodes any step verifies per sequence (0 without a drafter)."""
+        return self._drafter.max_tree_nodes if self._drafter is not None else 0
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for s in self.running if not s.finished)
 
     # ------------------------------------------------------------------ admission and prefill
     def can_admit(self) -> bool:
@@ -82,7 +115,8 @@ class Engine:
         self.add_many([seq])
 
     def add_many(self, seqs: list[Sequence]) -> None:
-        """Prefill several sequences (one right-padded forward when their prompts are short)."""
+        """Prefill several sequences (one right-padded forward when their prompts are short). All
+        or nothing: when anything fails, no sequence is running and every row taken is free."""
         for seq in seqs:
             n = len(seq.prompt_ids)
             if n == 0:
@@ -94,6 +128,8 @@ class Engine:
         for seq in seqs:
             seq.row = self.free_rows.pop()
             seq.generator = seq.generator or make_generator(seq.params.seed)
+            seq.pipeline = LogitsPipeline.build(seq.params, tuple(self.eos))
+            seq.stats.acceptance, seq.stats.lossy = self.acceptance.name, self.acceptance.lossy
             self.cache.reset(seq.row)
         try:
             if len(seqs) > 1 and max(len(s.prompt_ids) for s in seqs) <= PREFILL_CHUNK and \
@@ -101,18 +137,28 @@ class Engine:
                 results = self._prefill_batch(seqs)
             else:
                 results = [self._prefill(s.row, s.prompt_ids, s) for s in seqs]
+            for seq, (logits, feats) in zip(seqs, results):
+                seq.root = self._sample(self._target_rows(seq, logits[None])[0], seq)
+                self.running.append(seq)
+                if self._drafter is not None:
+                    self._drafter.start(seq.row, list(seq.prompt_ids), feats)
         except BaseException:
             for seq in seqs:                       # give the rows back; nothing was admitted
-                self.cache.reset(seq.row)
-                self.free_rows.append(seq.row)
+                self._unadmit(seq)
                 seq.row = -1
             raise
-        for seq, (logits, feats) in zip(seqs, results):
-            seq.root = self._sample(self._target_rows(seq, logits[None])[0], seq)
-            self.running.append(seq)
-            if self.drafter is not None:
-                self.drafter.start(seq.row, list(seq.prompt_ids), feats)
+        for seq, (logits, _) in zip(seqs, results):
             self._emit(seq, [seq.root], self._logprobs(seq, logits[None], [seq.root]))
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the batch: drafter state, cache row and the row itself freed."""
+        if seq in self.running:
+            self.running.remove(seq)
+            if self._drafter is not None:
+                self._drafter.release(seq.row)
+        if seq.row >= 0 and seq.row not in self.free_rows:
+            self.cache.reset(seq.row)
+            self.free_rows.append(seq.row)
 
     def _prefill_batch(self, seqs: list[Sequence]) -> list[tuple[torch.Tensor, TargetFeatures | None]]:
         lens = [len(s.prompt_ids) for s in seqs]
@@ -167,27 +213,14 @@ class Engine:
         return logits, feats
 
     def _feature_request(self) -> tuple[tuple[int, ...], bool]:
-        if self.drafter is None:
+        if self._drafter is None:
             return (), False
-        return tuple(dict.fromkeys(self.drafter.hidden_layers)), bool(self.drafter.needs_last_hidden)
+        return tuple(dict.fromkeys(self._drafter.hidden_layers)), bool(self._drafter.needs_last_hidden)
 
-    def _target_rows(self, seq: Sequence, logits: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
-        """The target rows the request samples from (root, nodes...): penalised when it asks for
-        penalties; with ``min_tokens``, end tokens (EOS unless ignored, ``stop_token_ids``) get
-        -inf in rows that would emit an output token before that count."""
-        p = seq.params
-        if penalized(p):
-            logits = apply_penalties(logits, p, seq.prompt_ids, seq.output_ids, tree)
-        if p.min_tokens > len(seq.output_ids):
-            ends = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos))
-            depth = torch.zeros(logits.shape[0], dtype=torch.long)
-            if tree is not None and len(tree):
-                depth[1:] = tree.depth
-            early = (len(seq.output_ids) + depth) < p.min_tokens        # output index each row emits
-            if ends and bool(early.any()):
-                logits = logits.clone()
-                logits[early.nonzero().flatten()[:, None], torch.tensor(ends)[None, :]] = float("-inf")
-        return logits
+    @staticmethod
+    def _target_rows(seq: Sequence, logits: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
+        """The target rows the request samples from (root, nodes...), through its pipeline."""
+        return seq.pipeline.process(logits, seq.prompt_ids, seq.output_ids, tree)
 
     @staticmethod
     def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
@@ -195,20 +228,24 @@ class Engine:
         k = seq.params.logprobs
         return None if k is None else token_logprobs(logits, tokens, k)
 
-    def _sample(self, logits: torch.Tensor, seq: Sequence) -> int:
+    @staticmethod
+    def _sample(logits: torch.Tensor, seq: Sequence) -> int:
         if seq.params.greedy:
             return int(logits.argmax())
-        return sample(target_probs(logits, seq.params), seq.generator)
+        return sample(seq.pipeline.probs(logits), seq.generator)
 
     # ------------------------------------------------------------------ one decoding step
-    def step(self) -> list[Sequence]:
-        """One draft-verify-accept step for every running sequence; returns those touched."""
+    def step(self, budget: int | None = None) -> StepReport:
+        """One draft-verify-accept step for every running sequence. ``budget``: draft nodes
+        allowed per sequence this step (None: the drafter's own size; 0: plain decoding)."""
         seqs = [s for s in self.running if not s.finished]
+        budget = self.max_tree_nodes if budget is None else max(0, min(budget, self.max_tree_nodes))
         if not seqs:
-            return []
+            return StepReport([], budget, 0, 0, 0.0)
+        emitted0 = self.stats.num_emitted_tokens
         # 1) propose
         t0 = time.perf_counter()
-        trees = self._propose(seqs)
+        trees = self._propose(seqs, budget)
         t1 = time.perf_counter()
         # 2) verify: one target forward over (root, tree nodes) of every row
         out, rows = self._verify_forward(seqs, trees)
@@ -216,15 +253,15 @@ class Engine:
         # 3) accept, compact, hand the drafter its tokens and features, emit
         for b, (seq, tree) in enumerate(zip(seqs, trees)):
             logits = self._target_rows(seq, out.logits[b, :len(tree) + 1], tree)
-            res = self._accept(tree, logits, seq.params, seq.generator)
+            res = self.acceptance(tree, logits, seq.params, seq.generator)
             keep = torch.tensor([0] + [n + 1 for n in res.nodes])
             self.cache.compact(seq.row, keep)
             committed = [seq.root] + res.tokens[:-1]
             depth = int(tree.depth.max()) if len(tree) else 0
             seq.stats.observe(len(tree), depth, res.num_accepted)
             self.stats.observe(len(tree), depth, res.num_accepted)
-            if self.drafter is not None:
-                self.drafter.accept(seq.row, committed, self._features(out, b, keep))
+            if self._drafter is not None:
+                self._drafter.accept(seq.row, committed, self._features(out, b, keep))
             seq.root = res.tokens[-1]
             self._emit(seq, res.tokens, self._logprobs(seq, out.logits[b, keep], res.tokens))
         t3 = time.perf_counter()
@@ -233,27 +270,21 @@ class Engine:
         for s in seqs:
             s.stats.draft_time_s += t1 - t0
             s.stats.verify_time_s += t3 - t1
-        return seqs
+        return StepReport(seqs, budget, len(seqs) * (1 + max(len(t) for t in trees)),
+                          self.stats.num_emitted_tokens - emitted0, t3 - t0)
 
-    def _accept(self, tree, logits, params, generator):
-        """The lossless verifier, unless the drafter opted into its own (lossy) acceptance, e.g.
-        Medusa's typical acceptance, which exists only when a user asked for it by name."""
-        custom = getattr(self.drafter, "acceptance", None)
-        return (custom or accept)(tree, logits, params, generator)
-
-    def _propose(self, seqs: list[Sequence]) -> list[DraftTree]:
-        if self.drafter is None:
+    def _propose(self, seqs: list[Sequence], budget: int) -> list[DraftTree]:
+        """One tree per sequence, each cut to ``min(budget, room)`` nodes (a prefix is a tree)."""
+        if self._drafter is None or budget == 0:
             return [DraftTree.empty() for _ in seqs]
         reqs = [DraftRequest(s.row, s.prompt_ids + s.output_ids, s.params, s.generator,
-                             max_nodes=self._room(s)) for s in seqs]
-        trees = self.drafter.propose(reqs)
-        out = []
-        for s, t in zip(seqs, trees):
-            if len(t) > self.drafter.max_tree_nodes:
+                             max_nodes=min(budget, self._room(s))) for s in seqs]
+        trees = self._drafter.propose(reqs)
+        for t in trees:
+            if len(t) > self.max_tree_nodes:
                 raise RuntimeError(f"drafter proposed {len(t)} nodes, more than its max_tree_nodes "
-                                   f"{self.drafter.max_tree_nodes}")
-            out.append(t)
-        return out
+                                   f"{self.max_tree_nodes}")
+        return [t.prefix(r.max_nodes) for t, r in zip(trees, reqs)]
 
     def _room(self, seq: Sequence) -> int:
         """Draft tokens worth proposing: never more than what max_tokens and context leave."""
@@ -289,57 +320,48 @@ class Engine:
 
     # ------------------------------------------------------------------ output and retirement
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
-        """Append tokens (and their logprobs) up to the first stop condition; notify; retire if
-        finished."""
-        new: list[int] = []
+        """Append tokens (and their logprobs) up to the first stop condition (end token, length,
+        then the output layer's stop string); notify; retire if finished."""
         p = seq.params
-        if logprobs is not None and seq.logprobs is None:
-            seq.logprobs = []
-        for i, tok in enumerate(tokens):
+        new: list[int] = []
+        reason = None
+        for tok in tokens:
             if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
-                self._finish(seq, "stop")
+                reason = "stop"
                 break
             new.append(tok)
-            seq.output_ids.append(tok)
-            if logprobs is not None:
-                seq.logprobs.append(logprobs[i])
-            if p.stop and self._hit_stop_string(seq):
-                self._finish(seq, "stop")
+            if len(seq.output_ids) + len(new) >= p.max_tokens or \
+                    len(seq.prompt_ids) + len(seq.output_ids) + len(new) >= self.max_context:
+                reason = "length"
                 break
-            if len(seq.output_ids) >= p.max_tokens or \
-                    len(seq.prompt_ids) + len(seq.output_ids) >= self.max_context:
-                self._finish(seq, "length")
-                break
+        if new and seq.stop_hook is not None:
+            k = seq.stop_hook(new)
+            if k is not None:
+                new, reason = new[:k], "stop"
+        seq.output_ids.extend(new)
+        if logprobs is not None:
+            seq.logprobs = [] if seq.logprobs is None else seq.logprobs
+            seq.logprobs.extend(logprobs[:len(new)])
+        if reason is not None:
+            self._finish(seq, reason)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         if seq.on_tokens is not None and (new or seq.finished):
             seq.on_tokens(seq, new)
         if seq.finished:
-            self._release(seq)
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        if self.decode is None:
-            return False
-        text = self.decode(seq.output_ids)
-        return any(s in text for s in seq.params.stop)
+            self._unadmit(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finished, seq.finish_reason = True, reason
         seq.end_time = time.perf_counter()
 
-    def _release(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-            self.cache.reset(seq.row)
-            if self.drafter is not None:
-                self.drafter.release(seq.row)
-            self.free_rows.append(seq.row)
-
     def abort(self, seq: Sequence) -> None:
-        """Cancel a running sequence and free its row (e.g. a client disconnected)."""
+        """Cancel a sequence and free its row (e.g. a client disconnected); a no-op for one that
+        already ended or was never admitted."""
         if not seq.finished:
             self._finish(seq, "abort")
-        self._release(seq)
+        if seq in self.running:
+            self._unadmit(seq)
 
     def run(self, seqs: list[Sequence]) -> list[Sequence]:
         """Decode ``seqs`` to completion, admitting them as rows free up."""

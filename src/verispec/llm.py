@@ -11,12 +11,14 @@ from typing import Any, Callable, Sequence as Seq
 
 import torch
 
+from .acceptance import LOSSLESS
+from .detokenizer import IncrementalDetokenizer
 from .drafters import build_drafter_factory
 from .engine import Engine, Sequence
 from .logprobs import TokenLogprob
 from .metrics import SpecStats
 from .models.loading import LoadedModel, load_model
-from .sampling import SamplingParams, cut_at_stop
+from .params import SamplingParams
 from .spec_config import SpeculativeConfig
 
 PromptType = str | dict
@@ -36,6 +38,8 @@ class RequestMetrics:
     acceptance_rate_per_pos: list[float] = field(default_factory=list)
     draft_time_s: float = 0.0              # in the drafter's propose
     verify_time_s: float = 0.0             # target forward + acceptance + cache compaction
+    acceptance: str = "lossless"           # the acceptance rule's name
+    lossy: bool = False                    # True: a lossy rule (opt-in) decided what was kept
 
 
 @dataclass
@@ -77,6 +81,7 @@ class LLM:
         self.target = loaded or load_model(model, dtype=dtype, weights=weights)
         self.tokenizer = self.target.tokenizer
         self.spec = SpeculativeConfig.from_dict(speculative_config)
+        self.acceptance = self.spec.acceptance() if self.spec else LOSSLESS
         self._make_drafter = build_drafter_factory(self.spec, self.target) if self.spec else None
         ctx = self.target.config.max_position_embeddings
         self.max_model_len = min(max_model_len or ctx, ctx)
@@ -116,11 +121,21 @@ class LLM:
         drafter = self._make_drafter(max_batch, max_len) if self._make_drafter else None
         slack = (drafter.max_tree_nodes if drafter else 0) + 2
         return Engine(self.target.model, drafter, max_batch=max_batch, max_len=max_len + slack,
-                      eos_token_ids=self.eos_token_ids, decode=self._decode,
-                      max_context=self.max_model_len)
+                      eos_token_ids=self.eos_token_ids, max_context=self.max_model_len,
+                      acceptance=self.acceptance)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def detokenizer(self, params: SamplingParams, decode=None) -> IncrementalDetokenizer:
+        """The output layer of one output: incremental text and ``params``' stop strings."""
+        return IncrementalDetokenizer(decode or self._decode, params.stop, params.include_stop_str_in_output)
+
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None,
+                     decode=None) -> tuple[Sequence, IncrementalDetokenizer]:
+        """An engine ``Sequence`` whose stop strings are checked by its own detokenizer."""
+        detok = self.detokenizer(params, decode)
+        return Sequence(prompt_ids=prompt_ids, params=params, on_tokens=on_tokens, stop_hook=detok.push), detok
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -140,11 +155,12 @@ class LLM:
         for sp in params:
             sp.check_vocab(self.target.config.vocab_size)
         encoded = [self.encode_prompt(p) for p in prompts]
-        seqs, owner = [], []
+        seqs, owner, detoks = [], [], {}
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
             for j in range(sp.n):
                 cb = (lambda s, new, k=len(seqs): on_tokens(k, new)) if on_tokens else None
-                seqs.append(Sequence(prompt_ids=ids, params=sp.for_choice(j), on_tokens=cb))
+                seq, detoks[len(seqs)] = self.new_sequence(ids, sp.for_choice(j), cb)
+                seqs.append(seq)
                 owner.append(i)
         need = max(min(len(s.prompt_ids) + s.params.max_tokens, self.max_model_len) for s in seqs)
         engine = self.make_engine(min(len(seqs), self.max_num_seqs), need)
@@ -152,13 +168,14 @@ class LLM:
         for s in seqs:
             s.start_time = t0
         engine.run(seqs)
+        texts = [detoks[k].finish() for k in range(len(seqs))]
         outs = []
         for i, (text, _) in enumerate(encoded):
-            mine = [s for s, o in zip(seqs, owner) if o == i]
-            out = self._output(mine[0], text)
-            out.outputs = [CompletionOutput(j, self._text(s), list(s.output_ids), s.finish_reason or "length",
-                                            list(s.logprobs) if s.logprobs is not None else None)
-                           for j, s in enumerate(mine)]
+            mine = [k for k, o in enumerate(owner) if o == i]
+            out = self._output(seqs[mine[0]], text, texts[mine[0]])
+            out.outputs = [CompletionOutput(j, texts[k], list(seqs[k].output_ids), seqs[k].finish_reason or "length",
+                                            list(seqs[k].logprobs) if seqs[k].logprobs is not None else None)
+                           for j, k in enumerate(mine)]
             outs.append(out)
         return outs
 
@@ -171,12 +188,7 @@ class LLM:
                    for m in messages]
         return self.generate(prompts, sampling_params, **kw)
 
-    def _text(self, seq: Sequence) -> str:
-        """The decoded output, cut at each stop string in turn."""
-        return cut_at_stop(self._decode(seq.output_ids), seq.params.stop, seq.params.include_stop_str_in_output)
-
-    def _output(self, seq: Sequence, prompt_text: str | None) -> RequestOutput:
-        text = self._text(seq)
+    def _output(self, seq: Sequence, prompt_text: str | None, text: str) -> RequestOutput:
         elapsed = (seq.end_time or time.perf_counter()) - seq.start_time
         st: SpecStats = seq.stats
         m = RequestMetrics(
@@ -186,7 +198,7 @@ class LLM:
             num_steps=st.num_steps, num_drafts=st.num_drafts, num_draft_tokens=st.num_draft_tokens,
             num_accepted_tokens=st.num_accepted_tokens, mean_acceptance_length=st.mean_acceptance_length,
             acceptance_rate_per_pos=st.acceptance_rate_per_pos, draft_time_s=st.draft_time_s,
-            verify_time_s=st.verify_time_s)
+            verify_time_s=st.verify_time_s, acceptance=st.acceptance, lossy=st.lossy)
         return RequestOutput(seq.seq_id, prompt_text, list(seq.prompt_ids), text, list(seq.output_ids),
                              seq.finish_reason or "length", m,
                              list(seq.logprobs) if seq.logprobs is not None else None,

@@ -21,6 +21,8 @@ class SpecStats:
     drafted_per_pos: list[int] = field(default_factory=list)   # steps whose tree reached depth i+1
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    acceptance: str = "lossless"     # the engine's acceptance rule (``acceptance.AcceptanceRule.name``)
+    lossy: bool = False              # True: that rule does not keep the target distribution
 
     def observe(self, num_draft_tokens: int, tree_depth: int, num_accepted: int) -> None:
         """Record one verification step of one sequence."""
@@ -64,6 +66,7 @@ class SpecStats:
             "accepted_per_pos": list(self.accepted_per_pos),
             "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
             "draft_time_s": self.draft_time_s, "verify_time_s": self.verify_time_s,
+            "acceptance": self.acceptance, "lossy": self.lossy,
         }
 
 

@@ -48,7 +48,7 @@ def with_shipped_head(config, target):
     from .spec_config import SpecConfigError
     if config.model:
         return config
-    method = config.method.value
+    method = config.method
     path = shipped_head(getattr(target, "name", ""), method)
     if path is None:
         raise SpecConfigError(f"method {method!r} needs 'model': a head checkpoint folder; no {method} head "

@@ -1,11 +1,21 @@
-"""Typed ``speculative_config`` (keys as vLLM names them), validated once at construction."""
+"""Typed ``speculative_config`` (keys as vLLM names them): one frozen dataclass per method.
+
+``SpeculativeConfig.from_dict(d)`` reads ``d["method"]``, picks that method's config class and
+fails on any key the method does not use (naming the method that does use it, and listing the
+method's own keys). Values are checked once, at construction. A method's config says which
+acceptance rule it asks for (``acceptance()``): lossless unless the user named a lossy one.
+
+Methods registered by ``verispec.drafters.register`` bring their own config class (a subclass
+of ``SpeculativeConfig``); ``CustomSpecConfig`` is the default for them.
+"""
 from __future__ import annotations
 
 import enum
 import json
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
+from .acceptance import LOSSLESS, AcceptanceRule, LossyTypicalAcceptance
 from .tree import validate_choices
 
 
@@ -21,33 +31,23 @@ class SpecConfigError(ValueError):
     """A speculative_config that cannot work; the message says which key and why."""
 
 
+_POSITIVE = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_matches",
+             "self_draft_layers", "topk", "depth", "num_draft_tokens")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: SpecMethod
-    model: str | None = None                 # draft model / head checkpoint; "self" = self-draft
-    num_speculative_tokens: int | None = None
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    num_matches: int = 1                     # ngram: continuations merged into a tree
-    prompt_lookup_extra: int | None = None   # ngram: after an n-token match propose <= n + this
-    self_draft_layers: int | None = None     # draft_model with model="self": first L target layers
-    tree: tuple[tuple[int, ...], ...] | None = None   # static tree, choices format
-    topk: int | None = None                  # dynamic tree (EAGLE-2)
-    depth: int | None = None
-    num_draft_tokens: int | None = None
-    draft_dtype: str | None = None
-    draft_vocab: str | None = None           # draft_model: reduced draft vocabulary file (d2t / t2d)
-    draft_confidence_threshold: float | None = None   # draft_model chain: stop below this draft prob
-    # EAGLE / Medusa keys (validated by their drafter builders, see drafters/eagle.py, medusa.py)
-    eagle_aux_hidden_state_layer_ids: tuple[int, ...] | None = None   # EAGLE-3 override, vLLM ids
-    rank_by: str | None = None               # dynamic tree: "path" (EAGLE-2) | "confidence" (ablation)
-    rerank: bool | None = None               # dynamic tree: global rerank (default true)
-    typical_acceptance: bool | None = None   # Medusa typical acceptance: LOSSY, opt-in
-    posterior_threshold: float | None = None # typical acceptance epsilon (default 0.09)
-    posterior_alpha: float | None = None     # typical acceptance delta (default 0.3)
+    """Base of every method's config: the keys all methods share."""
+    method: ClassVar[str] = ""
+    num_speculative_tokens: int | None = None      # draft length (chain) / tree depth
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return ["method"] + [f.name for f in fields(cls)]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | str | "SpeculativeConfig" | None) -> "SpeculativeConfig | None":
+        """The typed config of ``d`` (a dict, a JSON string, a config, or None)."""
         if d is None or isinstance(d, SpeculativeConfig):
             return d
         if isinstance(d, str):
@@ -57,65 +57,178 @@ class SpeculativeConfig:
                 raise SpecConfigError(f"speculative_config is not valid JSON: {e}") from e
         if not isinstance(d, dict):
             raise SpecConfigError(f"speculative_config must be a dict, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise SpecConfigError(f"unknown speculative_config keys {unknown}; known keys: {sorted(known)}")
         if "method" not in d:
-            raise SpecConfigError(f"speculative_config needs 'method', one of {[m.value for m in SpecMethod]}")
-        try:
-            method = SpecMethod(d["method"])
-        except ValueError:
-            raise SpecConfigError(f"unknown speculative method {d['method']!r}; "
-                                  f"choose one of {[m.value for m in SpecMethod]}") from None
-        args = dict(d, method=method)
+            raise SpecConfigError(f"speculative_config needs 'method', one of {sorted(METHOD_CONFIGS)}")
+        config_cls = METHOD_CONFIGS.get(str(d["method"]))
+        if config_cls is None:
+            raise SpecConfigError(f"unknown speculative method {d['method']!r}; choose one of {sorted(METHOD_CONFIGS)}")
+        args = {k: v for k, v in d.items() if k != "method"}
+        _check_keys(config_cls, args)
         if args.get("tree") is not None:
             try:
                 args["tree"] = tuple(validate_choices(args["tree"]))
             except ValueError as e:
                 raise SpecConfigError(f"speculative_config 'tree': {e}") from e
-        cfg = cls(**args)
+        if isinstance(args.get("eagle_aux_hidden_state_layer_ids"), list):
+            args["eagle_aux_hidden_state_layer_ids"] = tuple(args["eagle_aux_hidden_state_layer_ids"])
+        cfg = config_cls(**args)
         cfg.check()
         return cfg
 
     def check(self) -> None:
-        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_matches",
-                    "self_draft_layers", "topk", "depth", "num_draft_tokens"):
-            v = getattr(self, key)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise SpecConfigError(f"speculative_config '{key}' must be a positive integer, got {v!r}")
+        """Raise ``SpecConfigError`` for a value that cannot work (subclasses add their rules)."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in _POSITIVE and v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise SpecConfigError(f"speculative_config '{f.name}' must be a positive integer, got {v!r}")
+
+    def acceptance(self) -> AcceptanceRule:
+        """The acceptance rule this config asks for (lossless unless a lossy one is named)."""
+        return LOSSLESS
+
+    def as_dict(self) -> dict:
+        out = {"method": self.method}
+        out.update({f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None})
+        if getattr(self, "tree", None) is not None:
+            out["tree"] = [list(c) for c in self.tree]
+        return out
+
+
+def _check_keys(config_cls: type[SpeculativeConfig], args: dict) -> None:
+    own = set(config_cls.keys())
+    extra = sorted(set(args) - own)
+    if not extra:
+        return
+    where = []
+    for key in extra:
+        users = sorted(m for m, c in METHOD_CONFIGS.items() if key in c.keys())
+        where.append(f"'{key}' applies to method {' / '.join(repr(u) for u in users)}" if users
+                     else f"'{key}' is not a speculative_config key")
+    raise SpecConfigError(f"unknown speculative_config keys {extra} for method '{config_cls.method}' "
+                          f"({'; '.join(where)}); method '{config_cls.method}' takes {config_cls.keys()}")
+
+
+@dataclass(frozen=True)
+class NgramConfig(SpeculativeConfig):
+    """Prompt lookup (n-gram): propose what followed the last n tokens earlier in the context."""
+    method: ClassVar[str] = SpecMethod.NGRAM.value
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    num_matches: int = 1                     # continuations merged into a tree
+    prompt_lookup_extra: int | None = None   # after an n-token match propose <= n + this
+
+    def check(self) -> None:
+        super().check()
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpecConfigError("prompt_lookup_min must be <= prompt_lookup_max")
         extra = self.prompt_lookup_extra
         if extra is not None and (not isinstance(extra, int) or isinstance(extra, bool) or extra < 0):
             raise SpecConfigError(f"speculative_config 'prompt_lookup_extra' must be an integer >= 0, got {extra!r}")
-        if extra is not None and self.method is not SpecMethod.NGRAM:
-            raise SpecConfigError("'prompt_lookup_extra' applies to method 'ngram'")
-        if self.method is SpecMethod.DRAFT_MODEL and not self.model:
+
+
+@dataclass(frozen=True)
+class DraftModelConfig(SpeculativeConfig):
+    """An independent draft model with the target's tokenizer, or ``model: "self"``."""
+    method: ClassVar[str] = SpecMethod.DRAFT_MODEL.value
+    model: str | None = None                 # model name or path; "self" = self-draft
+    self_draft_layers: int | None = None     # with model "self": the target's first L layers
+    tree: tuple[tuple[int, ...], ...] | None = None   # static tree, choices format
+    draft_dtype: str | None = None           # the draft's dtype (default: the target's)
+    draft_vocab: str | None = None           # reduced draft vocabulary file (d2t / t2d)
+    draft_confidence_threshold: float | None = None   # chains: stop below this draft probability
+
+    def check(self) -> None:
+        super().check()
+        if not self.model:
             raise SpecConfigError("method 'draft_model' needs 'model' (a model name or path, or 'self')")
         if self.model == "self" and self.self_draft_layers is None:
             raise SpecConfigError("model 'self' (self-draft) needs 'self_draft_layers'")
-        if self.draft_vocab is not None and self.method is not SpecMethod.DRAFT_MODEL:
-            raise SpecConfigError("'draft_vocab' applies to method 'draft_model' (EAGLE-3 heads carry "
-                                  "their own d2t)")
-        self._check_confidence()
-        dynamic = [k for k in ("topk", "depth", "num_draft_tokens") if getattr(self, k) is not None]
-        if dynamic and self.tree is not None:
-            raise SpecConfigError(f"give either a static 'tree' or dynamic-tree keys {dynamic}, not both")
-
-    def _check_confidence(self) -> None:
         c = self.draft_confidence_threshold
         if c is None:
             return
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 < c < 1.0:
             raise SpecConfigError(f"speculative_config 'draft_confidence_threshold' must be a number in (0, 1), got {c!r}")
-        if self.method is not SpecMethod.DRAFT_MODEL or self.tree is not None:
-            raise SpecConfigError("'draft_confidence_threshold' applies to method 'draft_model' with a chain "
-                                  "(no static 'tree')")
-
-    def as_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-        out["method"] = self.method.value
         if self.tree is not None:
-            out["tree"] = [list(c) for c in self.tree]
-        return out
+            raise SpecConfigError("'draft_confidence_threshold' applies to a draft_model chain (no static 'tree')")
+
+
+@dataclass(frozen=True)
+class TreeHeadConfig(SpeculativeConfig):
+    """Keys shared by EAGLE heads: a static ``tree``, or an EAGLE-2 dynamic tree (``topk``,
+    ``depth``, ``num_draft_tokens``, ``rank_by``, ``rerank``), or a chain."""
+    model: str | None = None                 # head checkpoint folder (default: the shipped head)
+    tree: tuple[tuple[int, ...], ...] | None = None
+    topk: int | None = None
+    depth: int | None = None
+    num_draft_tokens: int | None = None
+    rank_by: str | None = None               # "path" (EAGLE-2) | "confidence" (ablation)
+    rerank: bool | None = None               # global rerank (default true)
+
+    def check(self) -> None:
+        super().check()
+        dynamic = [k for k in ("topk", "depth", "num_draft_tokens") if getattr(self, k) is not None]
+        if dynamic and self.tree is not None:
+            raise SpecConfigError(f"give either a static 'tree' or dynamic-tree keys {dynamic}, not both")
+
+
+@dataclass(frozen=True)
+class EagleConfig(TreeHeadConfig):
+    """EAGLE-1 head (the target's last hidden state)."""
+    method: ClassVar[str] = SpecMethod.EAGLE.value
+
+
+@dataclass(frozen=True)
+class Eagle3Config(TreeHeadConfig):
+    """EAGLE-3 / 3.1 head (three fused target layers)."""
+    method: ClassVar[str] = SpecMethod.EAGLE3.value
+    eagle_aux_hidden_state_layer_ids: tuple[int, ...] | None = None   # vLLM's override of the layers
+
+
+@dataclass(frozen=True)
+class MedusaSpecConfig(SpeculativeConfig):
+    """Medusa heads on a static tree; ``typical_acceptance`` asks for the LOSSY rule."""
+    method: ClassVar[str] = SpecMethod.MEDUSA.value
+    model: str | None = None
+    tree: tuple[tuple[int, ...], ...] | None = None
+    typical_acceptance: bool | None = None   # Medusa typical acceptance: LOSSY, opt-in
+    posterior_threshold: float | None = None # typical acceptance epsilon (default 0.09)
+    posterior_alpha: float | None = None     # typical acceptance delta (default 0.3)
+
+    def check(self) -> None:
+        super().check()
+        if self.tree is not None and self.num_speculative_tokens is not None:
+            raise SpecConfigError("give a static 'tree' or 'num_speculative_tokens' (a chain), not both")
+        self.acceptance()
+
+    def acceptance(self) -> AcceptanceRule:
+        if not self.typical_acceptance:
+            for k in ("posterior_threshold", "posterior_alpha"):
+                if getattr(self, k) is not None:
+                    raise SpecConfigError(f"'{k}' only applies with 'typical_acceptance': true (lossy)")
+            return LOSSLESS
+        d = LossyTypicalAcceptance()
+        try:
+            return LossyTypicalAcceptance(
+                posterior_threshold=d.posterior_threshold if self.posterior_threshold is None else self.posterior_threshold,
+                posterior_alpha=d.posterior_alpha if self.posterior_alpha is None else self.posterior_alpha)
+        except (ValueError, TypeError) as e:
+            raise SpecConfigError(f"speculative_config typical acceptance: {e}") from e
+
+
+@dataclass(frozen=True)
+class CustomSpecConfig(SpeculativeConfig):
+    """Default config of a method registered with ``verispec.drafters.register``."""
+    model: str | None = None
+
+
+METHOD_CONFIGS: dict[str, type[SpeculativeConfig]] = {
+    c.method: c for c in (NgramConfig, DraftModelConfig, EagleConfig, Eagle3Config, MedusaSpecConfig)}
+
+
+def register_config(name: str, config_cls: type[SpeculativeConfig]) -> None:
+    """Make ``from_dict`` build ``config_cls`` for ``method: name`` (``drafters.register`` calls it)."""
+    if not (isinstance(config_cls, type) and issubclass(config_cls, SpeculativeConfig)):
+        raise TypeError(f"a method's config must subclass SpeculativeConfig, got {config_cls!r}")
+    if config_cls.method != name:
+        raise ValueError(f"config class {config_cls.__name__} says method {config_cls.method!r}, registered as {name!r}")
+    METHOD_CONFIGS[name] = config_cls

@@ -40,6 +40,15 @@ class DraftTree:
         toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         return DraftTree(toks, torch.arange(toks.numel(), dtype=torch.long) - 1, q)
 
+    def prefix(self, max_nodes: int | None) -> "DraftTree":
+        """The first ``max_nodes`` nodes (None: all). Nodes are in topological order, so a prefix
+        is a connected tree, and since a node's ``q`` depends only on earlier nodes the cut tree
+        is verified as losslessly as the whole one."""
+        if max_nodes is None or len(self) <= max_nodes:
+            return self
+        n = max(0, max_nodes)
+        return DraftTree(self.tokens[:n], self.parents[:n], self.q[:n] if self.q is not None else None)
+
     # -- structure ---------------------------------------------------------------------------
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

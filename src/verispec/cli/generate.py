@@ -99,17 +99,16 @@ def cmd_generate(args) -> int:
 
 
 class _StreamPrinter:
-    """Prints the new suffix of the decoded output after each step."""
+    """Prints each step's new text (the output layer's incremental detokenizer, without stop
+    strings: the engine ends the output at one)."""
 
     def __init__(self, llm):
-        self.llm, self.ids, self.shown = llm, [], ""
+        from ..params import SamplingParams
+        self.detok = llm.detokenizer(SamplingParams())
 
     def __call__(self, index: int, new_ids: list[int]) -> None:
-        self.ids.extend(new_ids)
-        text = self.llm._decode(self.ids)
-        if not text.endswith("\ufffd"):
-            print(text[len(self.shown):], end="", flush=True)
-            self.shown = text
+        self.detok.push(new_ids)
+        print(self.detok.delta(), end="", flush=True)
 
 
 @_errors

@@ -1,43 +1,66 @@
-"""Drafters behind one protocol, built from a ``SpeculativeConfig`` through one registry.
+"""Drafters behind one protocol, built from a typed ``speculative_config`` through one public
+registry that the built-in methods use too.
 
-``build_drafter_factory(config, target)`` returns ``make(max_batch, max_len) -> Drafter``: weights
-load once, per-batch state (draft caches) is made per engine.
+``register(name, builder, config=None)`` makes ``{"method": name, ...}`` a valid
+``speculative_config``: ``config`` is the method's ``SpeculativeConfig`` subclass (its fields are
+the method's keys; default: ``CustomSpecConfig``, keys ``model`` and ``num_speculative_tokens``),
+and ``builder(config, target) -> make(max_batch, max_len) -> Drafter`` loads weights once
+(``target`` is the ``LoadedModel`` being served) and makes per-engine state on each call.
+``build_drafter_factory(config, target)`` runs the registered builder of ``config.method``.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from ..spec_config import SpecConfigError, SpecMethod, SpeculativeConfig
+from ..spec_config import (CustomSpecConfig, DraftModelConfig, Eagle3Config, EagleConfig, MedusaSpecConfig,
+                           NgramConfig, SpecConfigError, SpeculativeConfig, register_config)
 from .base import DraftRequest, Drafter, StatelessDrafter, TargetFeatures
 
 DrafterFactory = Callable[[int, int], Drafter]
-_BUILDERS: dict[SpecMethod, Callable] = {}
+DrafterBuilder = Callable[[SpeculativeConfig, object], DrafterFactory]
+_BUILDERS: dict[str, DrafterBuilder] = {}
 
 
-def register(method: SpecMethod):
-    def deco(fn):
-        _BUILDERS[method] = fn
+def register(name: str, builder: DrafterBuilder | None = None,
+             config: type[SpeculativeConfig] | None = None):
+    """Register a drafter method under ``name`` (a built-in's name replaces it). Usable as a
+    call, ``register("mine", builder, MyConfig)``, or as a decorator, ``@register("mine")``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a drafter method needs a non-empty name, got {name!r}")
+    if config is None:
+        config = type(f"{name.title().replace('_', '')}SpecConfig", (CustomSpecConfig,), {"method": name})
+
+    def deco(fn: DrafterBuilder) -> DrafterBuilder:
+        if not callable(fn):
+            raise TypeError(f"the builder of method {name!r} must be callable, got {fn!r}")
+        register_config(name, config)
+        _BUILDERS[name] = fn
         return fn
-    return deco
+    return deco if builder is None else deco(builder)
+
+
+def registered() -> list[str]:
+    """Names of every registered method."""
+    return sorted(_BUILDERS)
 
 
 def build_drafter_factory(config: SpeculativeConfig, target) -> DrafterFactory:
-    """``target`` is the ``LoadedModel`` being served."""
+    """The registered builder of ``config.method`` applied to ``config`` and ``target``."""
     if config.method not in _BUILDERS:
-        raise SpecConfigError(f"method {config.method.value!r} is not available in this build")
+        raise SpecConfigError(f"method {config.method!r} is not registered; registered: {registered()}")
     return _BUILDERS[config.method](config, target)
 
 
-@register(SpecMethod.NGRAM)
-def _ngram(config: SpeculativeConfig, target) -> DrafterFactory:
+@register("ngram", config=NgramConfig)
+def _ngram(config: NgramConfig, target) -> DrafterFactory:
     from .ngram import NgramDrafter
     drafter = NgramDrafter(config.num_speculative_tokens or 5, config.prompt_lookup_min,
                            config.prompt_lookup_max, config.num_matches, config.prompt_lookup_extra)
     return lambda max_batch, max_len: drafter
 
 
-@register(SpecMethod.DRAFT_MODEL)
-def _draft_model(config: SpeculativeConfig, target) -> DrafterFactory:
+@register("draft_model", config=DraftModelConfig)
+def _draft_model(config: DraftModelConfig, target) -> DrafterFactory:
     from .draft_model import DraftModelDrafter, with_vocab_head
     vocab = None
     if config.draft_vocab is not None:          # a bad file fails before the draft model loads
@@ -58,7 +81,7 @@ def _draft_model(config: SpeculativeConfig, target) -> DrafterFactory:
                                                         confidence_threshold=stop)
 
 
-def _load_draft_model(config: SpeculativeConfig, target):
+def _load_draft_model(config: DraftModelConfig, target):
     from ..models.loading import load_model
     if config.model == "self":
         n = config.self_draft_layers
@@ -102,26 +125,26 @@ def check_same_vocab(target, draft) -> None:
 
 
 __all__ = ["DraftRequest", "Drafter", "StatelessDrafter", "TargetFeatures", "build_drafter_factory",
-           "register", "self_draft", "check_same_vocab"]
+           "register", "registered", "self_draft", "check_same_vocab"]
 
 
-@register(SpecMethod.EAGLE)
-def _eagle(config: SpeculativeConfig, target) -> DrafterFactory:
+@register("eagle", config=EagleConfig)
+def _eagle(config: EagleConfig, target) -> DrafterFactory:
     """EAGLE-1 head (target last hidden state); EAGLE-2 when the tree is dynamic."""
     from .eagle import build_eagle_factory
     from .eagle_head import HeadKind
     return build_eagle_factory(config, target, HeadKind.EAGLE1)
 
 
-@register(SpecMethod.EAGLE3)
-def _eagle3(config: SpeculativeConfig, target) -> DrafterFactory:
+@register("eagle3", config=Eagle3Config)
+def _eagle3(config: Eagle3Config, target) -> DrafterFactory:
     """EAGLE-3 / 3.1 head (three fused target layers), dynamic tree by default."""
     from .eagle import build_eagle_factory
     from .eagle_head import HeadKind
     return build_eagle_factory(config, target, HeadKind.EAGLE3)
 
 
-@register(SpecMethod.MEDUSA)
-def _medusa(config: SpeculativeConfig, target) -> DrafterFactory:
+@register("medusa", config=MedusaSpecConfig)
+def _medusa(config: MedusaSpecConfig, target) -> DrafterFactory:
     from .medusa import build_medusa_factory
     return build_medusa_factory(config, target)

@@ -84,7 +84,7 @@ class DraftModelDrafter:
             trees = self._trees(requests, logits)
         else:
             trees = self._chains(requests, logits)
-        return [_truncate(t, r.max_nodes) for t, r in zip(trees, requests)]
+        return [t.prefix(r.max_nodes) for t, r in zip(trees, requests)]
 
     # -- internals -------------------------------------------------------------------------
     def _catch_up(self, requests: list[DraftRequest]) -> torch.Tensor:
@@ -275,10 +275,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _truncate(tree: DraftTree, max_nodes: int | None) -> DraftTree:
-    if max_nodes is None or len(tree) <= max_nodes:
-        return tree
-    q = tree.q[:max_nodes] if tree.q is not None else None
-    return DraftTree(tree.tokens[:max_nodes], tree.parents[:max_nodes], q)

@@ -29,7 +29,7 @@ import torch
 
 from ..models.packed import follows_packed_target
 from ..shipped import with_shipped_head
-from ..spec_config import SpecConfigError, SpeculativeConfig
+from ..spec_config import SpecConfigError, TreeHeadConfig
 from ..tree import DraftTree
 from .base import DraftRequest, TargetFeatures
 from .dynamic_tree import DynamicTreeConfig, RankBy, Ranked, StaticTreeConfig, TreeBuilder, TreeConfig, rank
@@ -197,7 +197,7 @@ class EagleDrafter:
 
 
 # -- configuration -----------------------------------------------------------------------------
-def tree_config(config: SpeculativeConfig, default: TreeConfig) -> TreeConfig:
+def tree_config(config: TreeHeadConfig, default: TreeConfig) -> TreeConfig:
     """The tree a speculative_config asks for: ``tree`` -> static; any of ``topk``, ``depth``,
     ``num_draft_tokens``, ``rank_by``, ``rerank`` -> dynamic (EAGLE-2); ``num_speculative_tokens``
     alone -> a chain; nothing -> ``default``."""
@@ -214,7 +214,7 @@ def tree_config(config: SpeculativeConfig, default: TreeConfig) -> TreeConfig:
     return default
 
 
-def _dynamic(config: SpeculativeConfig, rank_by, rerank) -> DynamicTreeConfig:
+def _dynamic(config: TreeHeadConfig, rank_by, rerank) -> DynamicTreeConfig:
     d = DEFAULT_DYNAMIC_TREE
     depth = config.depth or config.num_speculative_tokens or d.depth
     if config.depth and config.num_speculative_tokens and config.depth != config.num_speculative_tokens:
@@ -230,16 +230,11 @@ def _dynamic(config: SpeculativeConfig, rank_by, rerank) -> DynamicTreeConfig:
                              rank_by=mode, rerank=d.rerank if rerank is None else rerank)
 
 
-def build_eagle_factory(config: SpeculativeConfig, target, kind: HeadKind):
+def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind):
     """Load the head checkpoint named by ``config.model`` once; make a drafter per engine."""
     from ..checkpoints import CheckpointError, load_eagle_head
     config = with_shipped_head(config, target)
-    aux = config.eagle_aux_hidden_state_layer_ids
-    if config.typical_acceptance or config.posterior_threshold is not None or config.posterior_alpha is not None:
-        raise SpecConfigError("typical acceptance (lossy) is offered for method 'medusa' only")
-    if aux is not None and kind is HeadKind.EAGLE1:
-        raise SpecConfigError("'eagle_aux_hidden_state_layer_ids' applies to method 'eagle3'; "
-                              "EAGLE-1 reads the target's last hidden state")
+    aux = getattr(config, "eagle_aux_hidden_state_layer_ids", None)     # Eagle3Config only
     try:
         head = load_eagle_head(config.model, target.model, kind,
                                aux_layer_ids=tuple(aux) if aux is not None else None)

@@ -9,28 +9,23 @@ ranks of head d-1 (the Medusa choices format says which ranks are kept below whi
 Each head: ``medusa_num_layers`` residual blocks ``x + SiLU(W x + b)`` then a vocabulary
 projection (its own weight, or tied to the target's ``lm_head``).
 
-Verification is the engine's lossless verifier. Trees are deterministic (top ranks, q = None)
-for greedy and sampled requests, which the verifier accepts losslessly. ``lossy_typical_accept``
-is Medusa's *typical acceptance*: opt-in (``typical_acceptance``) and **lossy**: the output no
-longer follows the target distribution. It has the verifier's signature so an engine can be told
-to use it (``MedusaDrafter.acceptance``).
+Trees are deterministic (top ranks, q = None) for greedy and sampled requests, which the
+engine's lossless rule accepts losslessly. Medusa's *typical acceptance* (lossy, opt-in with
+``typical_acceptance``) is an acceptance rule, ``acceptance.LossyTypicalAcceptance``: the engine is
+built with it, the drafter never chooses it.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..sampling import SamplingParams, target_probs
 from ..models.packed import follows_packed_target
 from ..shipped import with_shipped_head
-from ..spec_config import SpecConfigError, SpeculativeConfig
+from ..spec_config import MedusaSpecConfig, SpecConfigError
 from ..tree import DraftTree, tree_from_choices
-from ..verify import AcceptResult
 from .base import DraftRequest, TargetFeatures
 from .dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
 
@@ -117,7 +112,7 @@ class MedusaDrafter:
     hidden_layers: tuple[int, ...] = ()
     needs_last_hidden = True
 
-    def __init__(self, heads: MedusaHeads, tree: StaticTreeConfig, *, typical: "TypicalAcceptance | None" = None):
+    def __init__(self, heads: MedusaHeads, tree: StaticTreeConfig):
         if tree.max_depth > heads.cfg.num_heads:
             raise ValueError(f"tree depth {tree.max_depth} needs more than the {heads.cfg.num_heads} Medusa heads")
         self.heads = heads.eval().requires_grad_(False)
@@ -125,8 +120,6 @@ class MedusaDrafter:
         self.max_tree_nodes = tree.max_nodes
         self.width = 1 + max(c[-1] for c in self.choices)
         self.last: dict[int, torch.Tensor] = {}        # row -> f_t at the last committed position
-        # Lossy, opt-in: an acceptance function with the verifier's signature (None = lossless).
-        self.acceptance = partial(lossy_typical_accept, cfg=typical) if typical is not None else None
 
     def start(self, row: int, prompt_ids: list[int], features: TargetFeatures | None) -> None:
         self.last[row] = _last_hidden(features)
@@ -147,7 +140,7 @@ class MedusaDrafter:
         for i, r in enumerate(requests):
             top = ranked[i].tolist()
             tree = tree_from_choices(self.choices, lambda path, top=top: top[len(path)])
-            trees.append(_truncate(tree, r.max_nodes))
+            trees.append(tree.prefix(r.max_nodes))
         return trees
 
 
@@ -161,70 +154,11 @@ def _dtype(module: nn.Module) -> torch.dtype:
     return next(module.parameters()).dtype
 
 
-def _truncate(tree: DraftTree, max_nodes: int | None) -> DraftTree:
-    if max_nodes is None or len(tree) <= max_nodes:
-        return tree
-    return DraftTree(tree.tokens[:max_nodes], tree.parents[:max_nodes])
-
-
-# -- typical acceptance (lossy, opt-in) ------------------------------------------------------------
-@dataclass(frozen=True)
-class TypicalAcceptance:
-    """Medusa's typical acceptance, **lossy**. A draft token x below a node whose target
-    distribution is p (temperature, top-k, top-p applied) is accepted when
-    ``p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p)))``."""
-    posterior_threshold: float = 0.09
-    posterior_alpha: float = 0.3
-
-    def __post_init__(self) -> None:
-        if not (0 < self.posterior_threshold <= 1) or not (0 < self.posterior_alpha <= 1):
-            raise ValueError("posterior_threshold and posterior_alpha must lie in (0, 1]")
-
-
-def lossy_typical_accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
-                         generator: torch.Generator | None, *, cfg: TypicalAcceptance) -> AcceptResult:
-    """LOSSY acceptance (Medusa typical acceptance), same signature as ``verify.accept``.
-
-    Among root-to-node paths whose every token passes the typicality test, take the longest
-    (ties: the larger sum of target log-probs, then the earlier node). The final token is the
-    target argmax (greedy) or a draw from p at the path's end. Greedy requests get the ordinary
-    greedy rule, as in Medusa."""
-    from ..verify import accept_greedy
-    if params.greedy:
-        return accept_greedy(tree, logits)
-    probs = target_probs(logits, params)                                    # [N+1, V]
-    ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-    thresh = torch.clamp(cfg.posterior_alpha * torch.exp(-ent), max=cfg.posterior_threshold)
-    toks, par = tree.tokens.tolist(), tree.parents.tolist()
-    ok, length, score = {-1: True}, {-1: 0}, {-1: 0.0}
-    best = -1
-    for i in range(len(tree)):                                             # topological order
-        p_row = par[i] + 1
-        px = float(probs[p_row, toks[i]])
-        ok[i] = ok[par[i]] and px > float(thresh[p_row])
-        if not ok[i]:
-            continue
-        length[i], score[i] = length[par[i]] + 1, score[par[i]] + math.log(max(px, 1e-30))
-        if (length[i], score[i]) > (length[best], score[best]):
-            best = i
-    path, n = [], best
-    while n >= 0:
-        path.append(n)
-        n = par[n]
-    path.reverse()
-    final = int(torch.multinomial(probs[best + 1], 1, generator=generator))
-    has_kids = any(p == best for p in par)
-    return AcceptResult(path, [toks[n] for n in path] + [final], bonus=not has_kids)
-
 
 # -- configuration ---------------------------------------------------------------------------------
-def medusa_tree(config: SpeculativeConfig, num_heads: int) -> StaticTreeConfig:
+def medusa_tree(config: MedusaSpecConfig, num_heads: int) -> StaticTreeConfig:
     """``tree`` -> that static tree; ``num_speculative_tokens`` -> a chain; nothing -> the default
-    tree cut to the heads' depth. Dynamic-tree keys are refused (Medusa heads ignore the path)."""
-    dynamic = [k for k in ("topk", "depth", "num_draft_tokens", "rank_by", "rerank")
-               if getattr(config, k) is not None]
-    if dynamic:
-        raise SpecConfigError(f"method 'medusa' uses a static tree; {dynamic} are dynamic-tree keys")
+    tree cut to the heads' depth (Medusa heads ignore the path: no dynamic trees)."""
     if config.tree is not None:
         tree = StaticTreeConfig.from_choices(config.tree)
     elif config.num_speculative_tokens is not None:
@@ -236,22 +170,7 @@ def medusa_tree(config: SpeculativeConfig, num_heads: int) -> StaticTreeConfig:
     return tree
 
 
-def typical_config(config: SpeculativeConfig) -> TypicalAcceptance | None:
-    if not config.typical_acceptance:
-        for k in ("posterior_threshold", "posterior_alpha"):
-            if getattr(config, k) is not None:
-                raise SpecConfigError(f"'{k}' only applies with 'typical_acceptance': true (lossy)")
-        return None
-    d = TypicalAcceptance()
-    try:
-        return TypicalAcceptance(
-            posterior_threshold=config.posterior_threshold or d.posterior_threshold,
-            posterior_alpha=config.posterior_alpha or d.posterior_alpha)
-    except ValueError as e:
-        raise SpecConfigError(f"speculative_config typical acceptance: {e}") from e
-
-
-def build_medusa_factory(config: SpeculativeConfig, target):
+def build_medusa_factory(config: MedusaSpecConfig, target):
     from ..checkpoints import CheckpointError, load_medusa_heads
     config = with_shipped_head(config, target)
     try:
@@ -261,5 +180,4 @@ def build_medusa_factory(config: SpeculativeConfig, target):
     if follows_packed_target(target, heads):
         heads.pack_fp16_(target.model.lm_head)      # draft with the target's fp16-packed kernels
     tree = medusa_tree(config, heads.cfg.num_heads)
-    typical = typical_config(config)
-    return lambda max_batch, max_len: MedusaDrafter(heads, tree, typical=typical)
+    return lambda max_batch, max_len: MedusaDrafter(heads, tree)

@@ -69,6 +69,10 @@ class ServerMetrics:
                                    ["status"], registry=r)
         self.cache_hits = Counter("verispec:response_cache_hits",
                                   "Requests answered from the response cache.", registry=r)
+        self.lossy_acceptance = Gauge("verispec:spec_decode_lossy_acceptance",
+                                      "1 when the acceptance rule is lossy (outputs do not follow the "
+                                      "target distribution), else 0; the rule's name is the label.",
+                                      ["rule"], registry=r)
         for reason in FINISH_REASONS:
             self.finished.labels(finished_reason=reason)
         self._lock = threading.Lock()
@@ -91,6 +95,11 @@ class ServerMetrics:
                                    num_draft_tokens=stats.num_draft_tokens,
                                    num_accepted_tokens=stats.num_accepted_tokens,
                                    accepted_per_pos=list(stats.accepted_per_pos))
+
+    def set_acceptance(self, rule) -> None:
+        """Report the engine's acceptance rule (an ``acceptance.AcceptanceRule``)."""
+        self.lossy_acceptance.clear()
+        self.lossy_acceptance.labels(rule=rule.name).set(1.0 if rule.lossy else 0.0)
 
     def reset_spec_baseline(self) -> None:
         """Call when the engine (and so its cumulative stats) is replaced."""

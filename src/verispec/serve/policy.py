@@ -31,31 +31,26 @@ of a step to a draft *budget* (tree nodes per sequence, 0 = plain decoding for t
   speculation is predicted to lose it is essentially never run, and what was learned at one
   batch size is used at all others without re-learning.
 
-``PolicyDrafter`` wraps any ``Drafter``: it asks the policy for the budget of the step (kept as
-``last_budget``; ``last_rows`` = the rows the engine's padded verify forward runs: batch x (1 +
-longest tree)), shortens the requests' ``max_nodes`` to it (or skips proposing when it is 0,
-returning empty trees) and truncates the returned trees to their first ``budget`` nodes (nodes
-are in topological order, so a prefix is still a tree; ``q`` rows are cut alike, and since a
-node's ``q`` depends only on earlier nodes the verification stays lossless). ``start``,
-``accept`` and ``release`` always go to the inner drafter, so drafters keep their state; a
-drafter must tolerate steps in which ``propose`` was not called (it learns the committed tokens
-from ``accept`` / the context).
+The scheduler asks the policy for each step's budget and passes it to ``Engine.step(budget=k)``,
+which caps every request's tree at its first k nodes (0: no proposal; nodes are in topological
+order, so a prefix is still a tree, and since a node's ``q`` depends only on earlier nodes the
+verification stays lossless). The engine's ``StepReport`` (budget, verified rows = batch x (1 +
+longest tree), emitted tokens, time) goes back to ``observe``. Drafters keep their state in
+steps without a proposal: they learn the committed tokens from ``accept`` / the context.
 Speculation is lossless, so no policy changes what is generated, only how fast.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
-from ..drafters.base import DraftRequest, Drafter, TargetFeatures
-from ..tree import DraftTree
 
 
 class SpecPolicy(Protocol):
     def bind(self, max_nodes: int) -> None:
-        """Learn the drafter's largest tree (called by ``PolicyDrafter``)."""
+        """Learn the drafter's largest tree (``Engine.max_tree_nodes``; the scheduler calls it)."""
 
     def budget(self, batch_size: int) -> int:
         """Draft tree nodes allowed per sequence in a step of ``batch_size`` sequences."""
@@ -63,7 +58,7 @@ class SpecPolicy(Protocol):
     def observe(self, batch_size: int, budget: int, step_s: float, emitted_tokens: int, *,
                 rows: int | None = None) -> None:
         """Feedback after a step: its batch size, the budget used, its time and tokens emitted;
-        ``rows`` (optional): target rows its verify forward ran (``PolicyDrafter.last_rows``)."""
+        ``rows`` (optional): target rows its verify forward ran (``StepReport.rows``)."""
 
 
 class StaticPolicy:
@@ -294,7 +289,7 @@ class AutoPolicy:
     def observe(self, batch_size: int, budget: int, step_s: float, emitted_tokens: int, *,
                 rows: int | None = None) -> None:
         """Feedback after a step. ``rows``, optional: target rows the verify forward ran
-        (batch x (1 + longest tree), ``PolicyDrafter.last_rows``); default batch x (1 + budget).
+        (batch x (1 + longest tree), ``StepReport.rows``); default batch x (1 + budget).
         Steps with a budget that is not an arm, no time or no sequences are ignored."""
         if step_s <= 0 or batch_size < 1 or budget not in self.acc:
             return
@@ -465,55 +460,3 @@ def parse_policy(value: str | dict | None) -> SpecPolicy:
                              "size >= 1 and a number of tokens >= 0")
         table[size] = v
     return TablePolicy(table)
-
-
-class PolicyDrafter:
-    """A ``Drafter`` that delegates to ``inner`` and caps its trees by ``policy.budget``."""
-
-    def __init__(self, inner: Drafter, policy: SpecPolicy):
-        self.inner = inner
-        self.policy = policy
-        policy.bind(inner.max_tree_nodes)
-        self.last_budget = inner.max_tree_nodes
-        self.last_rows = 0          # target rows of the last step's verify forward: B x (1 + longest tree)
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        return self.inner.hidden_layers
-
-    @property
-    def needs_last_hidden(self) -> bool:
-        return self.inner.needs_last_hidden
-
-    @property
-    def max_tree_nodes(self) -> int:
-        return self.inner.max_tree_nodes
-
-    def start(self, row: int, prompt_ids: list[int], features: TargetFeatures | None) -> None:
-        self.inner.start(row, prompt_ids, features)
-
-    def accept(self, row: int, committed_ids: list[int], features: TargetFeatures | None) -> None:
-        self.inner.accept(row, committed_ids, features)
-
-    def release(self, row: int) -> None:
-        self.inner.release(row)
-
-    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
-        budget = max(0, min(self.policy.budget(len(requests)), self.inner.max_tree_nodes))
-        self.last_budget = budget
-        self.last_rows = len(requests)
-        if budget == 0 or not requests:
-            return [DraftTree.empty() for _ in requests]
-        capped = [replace(r, max_nodes=budget if r.max_nodes is None else min(r.max_nodes, budget))
-                  for r in requests]
-        trees = [truncate(t, r.max_nodes) for t, r in zip(self.inner.propose(capped), capped)]
-        self.last_rows = len(trees) * (1 + max(len(t) for t in trees))
-        return trees
-
-
-def truncate(tree: DraftTree, max_nodes: int) -> DraftTree:
-    """The first ``max_nodes`` nodes of ``tree`` (a connected subtree: parents come first)."""
-    if len(tree) <= max_nodes:
-        return tree
-    q = tree.q[:max_nodes] if tree.q is not None else None
-    return DraftTree(tree.tokens[:max_nodes], tree.parents[:max_nodes], q)

@@ -5,14 +5,22 @@ validation (the app answers 400). ``unsupported()`` names a valid field value th
 honour (suffix, tools, vLLM extras, ...), or returns None. ``n`` (1..16) choices are separate
 engine requests. ``logprob_count()``: how many top
 logprobs the request asks for (None: no logprobs).
+
+``sampling_params(request, max_tokens)`` maps a request onto ``SamplingParams`` field by field:
+a field the request has under the same name is taken (None keeps the dataclass default), the few
+in ``CONVERTED`` are computed, the ones in ``NOT_FROM_REQUEST`` are set elsewhere. A new
+``SamplingParams`` field that is none of these fails every request (and a test), so it cannot be
+forgotten here.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import dataclasses
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ..logprobs import MAX_LOGPROBS
+from ..params import SamplingParams
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
 Seed = Annotated[StrictInt, Field(ge=-2**63, le=2**64 - 1)]
@@ -154,3 +162,27 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     tokens: list[StrictInt]
+
+
+# SamplingParams fields a request does not carry under their own name, and what sets them.
+NOT_FROM_REQUEST = {
+    "max_tokens": "max_tokens / max_completion_tokens, checked against the context by the pipeline",
+    "n": "each of the n choices is its own engine request (SamplingParams.for_choice)",
+    "prompt_logprobs": "completions: echo with logprobs asks for the prompt's logprobs",
+}
+CONVERTED: dict[str, Callable[[_Common], Any]] = {
+    "logit_bias": _Common.bias,                 # string keys -> token ids
+    "logprobs": lambda r: r.logprob_count(),    # completions: a count; chat: logprobs + top_logprobs
+}
+
+
+def sampling_params(req: _Common, max_tokens: int) -> SamplingParams:
+    """The ``SamplingParams`` of ``req`` (raises ValueError for values they refuse)."""
+    kw: dict[str, Any] = {"max_tokens": max_tokens}
+    for f in dataclasses.fields(SamplingParams):
+        if f.name in NOT_FROM_REQUEST:
+            continue
+        value = CONVERTED[f.name](req) if f.name in CONVERTED else getattr(req, f.name)
+        if value is not None:
+            kw[f.name] = value
+    return SamplingParams(**kw)

@@ -1,12 +1,13 @@
 """Responses of the two completion endpoints: one JSON body or server-sent events, ``n`` choices.
 
 Contract
-- Each choice is one engine request with its own ``TokenEvent`` stream. Its text is the decoded
-  output cut at the first stop string, as ``LLM.generate`` returns it.
+- Each choice is one engine request with its own ``TokenEvent`` stream. Its text is the
+  concatenation of its events' ``text`` (made by the scheduler's incremental detokenizer: the
+  output cut at the first stop string, as ``LLM.generate`` returns it).
 - Whole responses list the choices by ``index``; ``usage.completion_tokens`` sums over them.
-- Streams send one chunk per engine step and choice (the new suffix of that choice's text, held
-  back while it ends in an incomplete character or a possible start of a stop string), so the
-  concatenated deltas of a choice equal its whole text. Chat streams open each choice with a
+- Streams send one chunk per engine step and choice (the event's new text, held back by the
+  detokenizer while it ends in an incomplete character or a possible start of a stop string), so
+  the concatenated deltas of a choice equal its whole text. Chat streams open each choice with a
   ``role`` chunk. ``stream_options.include_usage``: every chunk has ``usage: null`` and a last
   chunk with no choices carries the totals. Then ``data: [DONE]``.
 - Logprobs (when asked) go with the chunk that sends the text of their tokens.
@@ -24,47 +25,15 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..sampling import SamplingParams, cut_at_stop
 from ..logprobs import TokenLogprob
+from ..params import SamplingParams
+from .errors import error_body
 from .logprob_format import LogprobFormatter
 from .scheduler import RequestFailed, TokenEvent
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 class ClientGone(Exception):
     """The client disconnected before the response started."""
-
-
-# ---------------------------------------------------------------------------- text streaming
-class TextStream:
-    """Turns token-id increments into text deltas whose concatenation is the final text."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], include_stop: bool = False):
-        self.decode, self.stop, self.include_stop = decode, stop, include_stop
-        self.ids: list[int] = []
-        self.sent = 0
-        self.text = ""
-
-    def push(self, new_ids: list[int], finished: bool) -> str:
-        self.ids.extend(new_ids)
-        text = self.decode(self.ids)
-        if finished:
-            self.text = cut_at_stop(text, self.stop, self.include_stop)      # as LLM.generate returns it
-            safe = len(self.text)
-        else:                  # hold back a partial character and a possible start of a stop string
-            safe = len(text.rstrip("\ufffd"))
-            head, hold = text[:safe], 0
-            for s in self.stop:
-                hold = next((n for n in range(min(len(s) - 1, safe), hold, -1) if head.endswith(s[:n])), hold)
-            safe -= hold
-            self.text = text
-        if safe <= self.sent:
-            return ""
-        delta, self.sent = self.text[self.sent:safe], safe
-        return delta
 
 
 async def race_disconnect(request: Request, coro) -> Any:
@@ -89,11 +58,14 @@ async def race_disconnect(request: Request, coro) -> Any:
 # ---------------------------------------------------------------------------- shapes
 @dataclass
 class Shape:
-    """How one endpoint names and wraps its outputs."""
+    """How one endpoint names and wraps its outputs. ``acceptance``: the engine's rule as
+    ``{"acceptance": name, "lossy": bool}``, sent as the ``verispec`` field of whole responses and,
+    when lossy, of every stream chunk (so no client misses that an output was lossy)."""
     chat: bool
     rid: str
     created: int
     model: str
+    acceptance: dict | None = None
 
     def choice(self, index: int, text: str, reason: str, logprobs: dict | None) -> dict:
         if self.chat:
@@ -102,8 +74,11 @@ class Shape:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     def full(self, choices: list[dict], usage: dict) -> dict:
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": usage}
+        out = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices, "usage": usage}
+        if self.acceptance is not None:
+            out["verispec"] = self.acceptance
+        return out
 
     def chunk(self, index: int, delta: str | None, reason: str | None, usage: Any = False, role: bool = False,
               logprobs: dict | None = None) -> dict:
@@ -116,6 +91,8 @@ class Shape:
                "created": self.created, "model": self.model, "choices": choices}
         if usage is not False:
             out["usage"] = usage
+        if self.acceptance is not None and self.acceptance["lossy"]:
+            out["verispec"] = self.acceptance
         return out
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -151,20 +128,21 @@ class Choice:
     the one generated token is dropped (``max_tokens`` 0 with echo: scoring a prompt)."""
     index: int
     events: AsyncIterator[TokenEvent]
-    stream: TextStream
     lp: LogprobFormatter | None
     echo: tuple[str, list[int]] | None = None
     score_only: bool = False
     pending: list = field(default_factory=list)      # logprob entries whose text is not sent yet
     reason: str | None = None
+    output_text: str = ""
+    output_tokens: int = 0
 
     @property
     def text(self) -> str:
-        return (self.echo[0] if self.echo else "") + ("" if self.score_only else self.stream.text)
+        return (self.echo[0] if self.echo else "") + ("" if self.score_only else self.output_text)
 
     @property
     def num_tokens(self) -> int:
-        return 0 if self.score_only else len(self.stream.ids)
+        return 0 if self.score_only else self.output_tokens
 
     def prefix(self, first: TokenEvent) -> tuple[str, dict | None] | None:
         """The echoed prompt and its logprobs, sent before anything else (or None)."""
@@ -174,14 +152,19 @@ class Choice:
         entries = [TokenLogprob(ids[0], None, 0, ())] + list(first.prompt_logprobs or [])
         return text, (self.lp.format(entries) if self.lp else None)
 
-    def push(self, ev: TokenEvent) -> tuple[str, dict | None] | None:
-        """(delta, logprobs) to send for ``ev``, or None when nothing is to be sent yet."""
-        delta = self.stream.push(ev.token_ids, ev.finished)
+    def _take(self, ev: TokenEvent) -> str:
+        """Record ``ev``; its text delta ("" when score-only)."""
+        self.output_tokens += len(ev.token_ids)
+        self.output_text += ev.text
         if not self.score_only:
             self.pending.extend(ev.logprobs or [])
         if ev.finished:
             self.reason = "length" if self.score_only else (ev.finish_reason or "stop")
-        delta = "" if self.score_only else delta
+        return "" if self.score_only else ev.text
+
+    def push(self, ev: TokenEvent) -> tuple[str, dict | None] | None:
+        """(delta, logprobs) to send for ``ev``, or None when nothing is to be sent yet."""
+        delta = self._take(ev)
         if not (delta or ev.finished):
             return None
         logprobs = self.lp.format(self.pending) if self.lp and (self.pending or not self.score_only) else None
@@ -189,31 +172,25 @@ class Choice:
         return delta, logprobs
 
     async def collect(self) -> None:
-        """Read every event; decode once at the end. Logprob entries: prompt (echo), then output."""
-        out: list[int] = []
+        """Read every event. Logprob entries: prompt (echo), then output."""
         first = True
         async with contextlib.aclosing(self.events):
             async for ev in self.events:
                 if first and self.echo is not None:
                     self.pending += [TokenLogprob(self.echo[1][0], None, 0, ())] + list(ev.prompt_logprobs or [])
                 first = False
-                out.extend(ev.token_ids)
-                if not self.score_only:
-                    self.pending.extend(ev.logprobs or [])
+                self._take(ev)
                 if ev.finished:
-                    self.stream.push(out, True)
-                    self.reason = "length" if self.score_only else (ev.finish_reason or "stop")
                     return
         raise RuntimeError("the event stream ended without a finished event")
 
 
 def make_choices(streams: list[AsyncIterator[TokenEvent]], params: list[SamplingParams], chat: bool,
-                 decode: Callable[[list[int]], str], token_texts: Callable,
-                 echo: list[tuple[str, list[int]] | None] | None = None, score_only: bool = False) -> list[Choice]:
+                 token_texts: Callable, echo: list[tuple[str, list[int]] | None] | None = None,
+                 score_only: bool = False) -> list[Choice]:
     """One ``Choice`` per stream, indexed in order; ``params`` / ``echo`` per stream."""
     echo = echo or [None] * len(streams)
-    return [Choice(i, ev, TextStream(decode, p.stop, p.include_stop_str_in_output),
-                   LogprobFormatter(chat, token_texts) if p.logprobs is not None else None, e, score_only)
+    return [Choice(i, ev, LogprobFormatter(chat, token_texts) if p.logprobs is not None else None, e, score_only)
             for i, (ev, p, e) in enumerate(zip(streams, params, echo))]
 
 

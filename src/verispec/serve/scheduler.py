@@ -20,8 +20,11 @@ Contract
   engine is rebuilt if it cannot be cleaned up. All get ``ErrorEvent(500)``.
 - ``stop(grace_s)`` stops admitting, fails queued requests with 503, lets running ones finish
   for up to ``grace_s`` seconds, aborts the rest (503) and joins the thread.
-The optional ``policy`` wraps the engine's drafter in a ``PolicyDrafter`` (see ``policy``) and
-is told each step's batch size, budget, time and emitted tokens.
+- Each request's text is made in this thread by its own ``IncrementalDetokenizer`` (the engine's
+  stop hook for its stop strings); events carry the new text that can no longer change.
+The optional ``policy`` gives each step its draft budget (``Engine.step(budget=...)``; see
+``policy``) and is told each step's batch size, budget, verified rows, time and emitted tokens.
+The scheduler uses only the engine's public surface (admit, step, abort); it never edits it.
 """
 from __future__ import annotations
 
@@ -35,12 +38,13 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from ..detokenizer import IncrementalDetokenizer
 from ..engine import Engine, Sequence
 from ..llm import LLM
 from ..logprobs import TokenLogprob
-from ..sampling import SamplingParams
+from ..params import SamplingParams
 from .metrics import ServerMetrics
-from .policy import PolicyDrafter, SpecPolicy
+from .policy import SpecPolicy
 
 log = logging.getLogger("verispec.serve")
 _req_ids = itertools.count()
@@ -61,6 +65,7 @@ class TokenEvent:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None     # one per token id, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None   # first event only, when the request asked
+    text: str = ""                                 # new text of the output (``IncrementalDetokenizer.delta``)
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class EngineRequest:
     request_id: int = field(default_factory=lambda: next(_req_ids))
     arrival: float = field(default_factory=time.perf_counter)
     seq: Sequence | None = None
+    detok: IncrementalDetokenizer | None = None
     last_emit: float | None = None
     done: bool = False            # final event sent (set by the scheduler thread)
     started: bool = False         # a token event was sent
@@ -96,7 +102,7 @@ class Scheduler:
     def __init__(self, llm: LLM, *, max_num_seqs: int, max_model_len: int, metrics: ServerMetrics,
                  max_queue: int = 1024, request_timeout: float | None = None,
                  policy: SpecPolicy | None = None, decode: Callable[[list[int]], str] | None = None):
-        """``decode`` replaces the engine's detokenizer (stop strings), e.g. to share a lock."""
+        """``decode``: the tokenizer's decode for the requests' text (e.g. one that holds a lock)."""
         self.llm = llm
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -117,11 +123,10 @@ class Scheduler:
 
     def _new_engine(self) -> Engine:
         engine = self.llm.make_engine(self.max_num_seqs, self.max_model_len)
-        if self.policy is not None and engine.drafter is not None:
-            engine.drafter = PolicyDrafter(engine.drafter, self.policy)
-        if self.decode is not None and engine.decode is not None:
-            engine.decode = self.decode
+        if self.policy is not None:
+            self.policy.bind(engine.max_tree_nodes)
         self.metrics.reset_spec_baseline()
+        self.metrics.set_acceptance(engine.acceptance)
         return engine
 
     # ------------------------------------------------------------------ event-loop side
@@ -204,18 +209,18 @@ class Scheduler:
     def _iteration(self) -> bool:
         """One admit/step round; False when it is time to stop."""
         with self._cond:
-            while not (self._waiting or self._cancels or self.engine.running or self._stop_at):
+            while not (self._waiting or self._cancels or self.engine.num_running or self._stop_at):
                 self._cond.wait()
             cancels, self._cancels = self._cancels, []
             if self._stop_at is not None:
                 self._fail_waiting(503, "the server is shutting down")
-                if not self.engine.running or time.perf_counter() > self._stop_at:
+                if not self.engine.num_running or time.perf_counter() > self._stop_at:
                     return False
         self._process_cancels(cancels)
         self._expire()
         self._admit()
         self._step()
-        self.metrics.running.set(len(self.engine.running))
+        self.metrics.running.set(self.engine.num_running)
         self.metrics.waiting.set(len(self._waiting))
         return True
 
@@ -272,55 +277,37 @@ class Scheduler:
                     return
                 req = self._waiting.popleft()
                 self.metrics.waiting.set(len(self._waiting))
-            seq = Sequence(prompt_ids=req.prompt_ids, params=req.params,
-                           on_tokens=lambda s, new, req=req: self._on_tokens(req, s, new))
+            seq, req.detok = self.llm.new_sequence(req.prompt_ids, req.params, decode=self.decode,
+                                                   on_tokens=lambda s, new, req=req: self._on_tokens(req, s, new))
             seq.start_time = req.arrival
             req.seq = seq
             self._active[seq.seq_id] = req
             try:
-                self.engine.add(seq)
+                self.engine.add(seq)          # all or nothing: a failure leaves no row taken
             except Exception as e:     # noqa: BLE001
                 log.exception("engine.add failed")
                 self._active.pop(seq.seq_id, None)
-                self._reclaim_row(seq)
                 self._error(req, 500, f"the engine failed to start the request: {e}", "internal_error")
                 continue
             self.metrics.prompt_tokens.inc(len(req.prompt_ids))
 
-    def _reclaim_row(self, seq: Sequence) -> None:
-        """After a failed ``add``: make sure the row it took is free again."""
-        eng = self.engine
-        try:
-            if seq in eng.running:
-                eng.abort(seq)
-            elif seq.row >= 0 and seq.row not in eng.free_rows:
-                eng.cache.reset(seq.row)
-                eng.free_rows.append(seq.row)
-        except Exception:             # noqa: BLE001
-            log.exception("could not free the row of a failed request; rebuilding the engine")
-            self._rebuild_engine()
-
     def _step(self) -> None:
         eng = self.engine
-        if not eng.running:
+        batch = eng.num_running
+        if not batch:
             return
-        batch = len(eng.running)
-        emitted0 = eng.stats.num_emitted_tokens
-        t0 = time.perf_counter()
+        budget = self.policy.budget(batch) if self.policy is not None else None
         try:
-            eng.step()
+            report = eng.step(budget)
         except Exception as e:        # noqa: BLE001
             log.exception("engine.step failed")
             self._fail_running(500, f"the engine failed during a decoding step: {e}")
             return
-        dt = time.perf_counter() - t0
         self.steps += 1
-        if isinstance(eng.drafter, PolicyDrafter):
-            eng.drafter.policy.observe(batch, eng.drafter.last_budget, dt,
-                                       eng.stats.num_emitted_tokens - emitted0, rows=eng.drafter.last_rows)
-            self.metrics.draft_budget.set(eng.drafter.last_budget)
-        elif eng.drafter is not None:
-            self.metrics.draft_budget.set(eng.drafter.max_tree_nodes)
+        if self.policy is not None:
+            self.policy.observe(len(report.seqs), report.budget, report.time_s, report.emitted, rows=report.rows)
+        if eng.drafter is not None:
+            self.metrics.draft_budget.set(report.budget)
         self.metrics.observe_spec(eng.stats)
 
     def _fail_running(self, status: int, message: str) -> None:
@@ -334,7 +321,7 @@ class Scheduler:
             except Exception:         # noqa: BLE001
                 broken = True
             self._error(req, status, message, "internal_error" if status == 500 else "service_unavailable")
-        if broken or self.engine.running:
+        if broken or self.engine.num_running:
             self._rebuild_engine()
 
     def _rebuild_engine(self) -> None:
@@ -358,16 +345,18 @@ class Scheduler:
         plps = None if req.started else seq.prompt_logprobs
         req.started = True
         if seq.finished:
+            req.detok.finish()
             self._active.pop(seq.seq_id, None)
-            self._finish(req, TokenEvent(list(new), True, seq.finish_reason, lps, plps), seq.finish_reason or "stop")
+            self._finish(req, TokenEvent(list(new), True, seq.finish_reason, lps, plps, req.detok.delta()),
+                         seq.finish_reason or "stop")
         else:
-            self._put(req, TokenEvent(list(new), False, None, lps, plps))
+            self._put(req, TokenEvent(list(new), False, None, lps, plps, req.detok.delta()))
 
     def _finish(self, req: EngineRequest, event: TokenEvent | ErrorEvent, reason: str) -> None:
         if req.done:
             return
         req.done = True
-        self.metrics.running.set(sum(1 for s in self.engine.running if not s.finished))
+        self.metrics.running.set(self.engine.num_running)
         self.metrics.observe_finished(reason, time.perf_counter() - req.arrival)
         self._put(req, event)
 
