@@ -649,12 +649,13 @@ def test_engine_errors_fail_requests_but_not_the_server(llm):
 def test_medusa_typical_acceptance_through_http_is_applied_and_reported(llm):
     """The lossy rule reaches the server's engine (the same seeded output as ``LLM.generate``
     with it, not the lossless one) and is reported in the body, every stream chunk and /metrics."""
-    prompt, sp = "Write a short story about a robot.", SamplingParams(temperature=0.9, max_tokens=24, seed=7)
+    prompt = "Write a short story about a robot."
+    sp = SamplingParams(temperature=0.9, max_tokens=24, seed=7, ignore_eos=True)
     lossy = LLM(loaded=llm.target, speculative_config={"method": "medusa", "typical_acceptance": True})
     want = lossy.generate(prompt, sp)[0]
     lossless = LLM(loaded=llm.target, speculative_config={"method": "medusa"}).generate(prompt, sp)[0]
     assert want.metrics.lossy and not lossless.metrics.lossy and want.token_ids != lossless.token_ids
-    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.9, "seed": 7}
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.9, "seed": 7, "ignore_eos": True}
     with InProcessServer(lossy, max_num_seqs=2) as srv:
         r = srv.post(body).json()
         assert r["choices"][0]["text"] == want.text

@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="with --json: each output token's target logprob and the K best alternatives")
     g.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    g.add_argument("--compare-vanilla", action="store_true",
+                   help="also decode the prompt without speculation (same model and weights, after a short "
+                        "warm-up of both) and print its tokens/s, the speed-up and whether the outputs match")
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="interactive chat in the terminal",
                        description="Interactive chat; type /exit (or end input) to quit, /reset to clear history.")
@@ -79,23 +82,40 @@ def cmd_generate(args) -> int:
     if args.chat:
         prompt = {"prompt_token_ids": llm.tokenizer(llm.apply_chat_template(
             [{"role": "user", "content": prompt}]), add_special_tokens=False).input_ids}
+    vanilla = _vanilla_run(llm, prompt, params) if args.compare_vanilla else None
     printer = _StreamPrinter(llm) if args.stream and not args.json else None
     out = llm.generate([prompt], params, on_tokens=printer)[0]
     if args.json:
         lps = None if out.logprobs is None else [{"token_id": e.token_id, "logprob": e.logprob, "rank": e.rank,
                                                   "top": [list(t) for t in e.top]} for e in out.logprobs]
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "metrics": vars(out.metrics), "logprobs": lps}))
+                          "metrics": vars(out.metrics), "logprobs": lps,
+                          "vanilla_metrics": vars(vanilla.metrics) if vanilla else None}))
         return 0
-    if printer is None:
-        print(out.text)
-    else:
-        print()
+    print(out.text if printer is None else "")
     m = out.metrics
     spec = f", mean acceptance length {m.mean_acceptance_length:.2f}" if m.num_drafts else ""
     print(f"[{m.num_output_tokens} tokens in {m.time_s:.2f}s: {m.tokens_per_second:.1f} tokens/s{spec}]",
           file=sys.stderr)
+    if vanilla is not None:
+        v = vanilla.metrics
+        print(f"[vanilla (no speculation, same weights): {v.tokens_per_second:.1f} tokens/s; speed-up "
+              f"{m.tokens_per_second / max(v.tokens_per_second, 1e-9):.2f}x; outputs identical: "
+              f"{'yes' if vanilla.token_ids == out.token_ids else 'no'}]", file=sys.stderr)
     return 0
+
+
+def _vanilla_run(llm, prompt, params):
+    """The same prompt decoded without speculation on the same loaded model, after one short
+    warm-up generate of each engine (first calls pay one-off allocation costs)."""
+    import dataclasses
+
+    from .. import LLM
+    plain = LLM(loaded=llm.target, max_num_seqs=1)
+    warm = dataclasses.replace(params, max_tokens=min(8, params.max_tokens))
+    for engine in (plain, llm):
+        engine.generate([prompt], warm)
+    return plain.generate([prompt], params)[0]
 
 
 class _StreamPrinter:

@@ -178,28 +178,9 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
     app.add_middleware(GuardMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                        on_error=count_error)
     _install_error_handlers(app, count_error)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not pipe.alive:
-            return error_response(503, "the scheduler is not running", "service_unavailable")
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/metrics")
-    async def metrics_text() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    card = {"id": cfg.model_name, "object": "model", "created": created, "owned_by": "verispec",
-            "root": str(llm.target.path), "max_model_len": cfg.max_model_len}
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [card]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict:
-        pipe.check_model(model_id)
-        return card
+    _install_info_routes(app, pipe, metrics, {"id": cfg.model_name, "object": "model", "created": created,
+                                              "owned_by": "verispec", "root": str(llm.target.path),
+                                              "max_model_len": cfg.max_model_len})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -218,6 +199,29 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
         return await pipe.chat(request, await parse_body(request, ChatCompletionRequest))
 
     return app
+
+
+def _install_info_routes(app: FastAPI, pipe: RequestPipeline, metrics: ServerMetrics, card: dict) -> None:
+    """``/health``, ``/metrics`` and the model list."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not pipe.alive:
+            return error_response(503, "the scheduler is not running", "service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        pipe.check_model(model_id)
+        return card
 
 
 def _install_error_handlers(app: FastAPI, count_error: Callable[[int], None]) -> None:
