@@ -232,7 +232,7 @@ def _dynamic(config: SpeculativeConfig, rank_by, rerank) -> DynamicTreeConfig:
 
 def build_eagle_factory(config: SpeculativeConfig, target, kind: HeadKind):
     """Load the head checkpoint named by ``config.model`` once; make a drafter per engine."""
-    from ..checkpoints import CheckpointError, load_eagle_head
+    from ..formats import CheckpointError, load_eagle_head
     config = with_shipped_head(config, target)
     aux = config.eagle_aux_hidden_state_layer_ids
     if config.typical_acceptance or config.posterior_threshold is not None or config.posterior_alpha is not None:
