@@ -39,8 +39,10 @@ import types
 import pytest
 import torch
 
+from helpers import randomise, tiny_head_config
+
 from verispec.drafters.base import TargetFeatures
-from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind, init_head_weights, new_eagle_head
+from verispec.drafters.eagle_head import HeadKind, new_eagle_head
 from verispec.drafters.medusa_head import MedusaConfig, MedusaHeads
 from verispec.formats import read_tensors, save_eagle_head, save_medusa_heads
 from verispec.train.export import export
@@ -113,19 +115,8 @@ def stub_modules(monkeypatch, *names: str) -> None:
 
 
 # -- heads ---------------------------------------------------------------------------------------------
-def randomise(head: torch.nn.Module, seed: int) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if "norm" in name else torch.randn(p.shape, generator=g) * 0.3)
-    return head.eval()
-
-
 def eagle3_head(target):
-    cfg = EagleHeadConfig(kind=HeadKind.EAGLE3, hidden_size=H, intermediate_size=48, num_heads=4, num_kv_heads=2,
-                          head_dim=8, vocab_size=V, draft_vocab_size=DRAFT, target_hidden_size=H, target_num_layers=L,
-                          aux_layer_ids=EagleHeadConfig.default_aux_layer_ids(L))
-    head = randomise(init_head_weights(new_eagle_head(cfg, target)), seed=1)
+    head = randomise(new_eagle_head(tiny_head_config(HeadKind.EAGLE3, V, H, L, draft_vocab_size=DRAFT), target), seed=1)
     keep = torch.randperm(V, generator=torch.Generator().manual_seed(2))[:DRAFT].sort().values
     head.d2t.copy_(keep - torch.arange(DRAFT))
     head.t2d.zero_()
@@ -221,10 +212,7 @@ def test_specforge_loads_our_sglang_eagle3_export(tmp_path, target, target_dir, 
 
 # -- EAGLE-1: the EAGLE repo -------------------------------------------------------------------------------
 def eagle1_head(target):
-    cfg = EagleHeadConfig(kind=HeadKind.EAGLE1, hidden_size=H, intermediate_size=48, num_heads=4, num_kv_heads=2,
-                          head_dim=8, vocab_size=V, draft_vocab_size=V, target_hidden_size=H, target_num_layers=L,
-                          fc_bias=True)
-    return randomise(init_head_weights(new_eagle_head(cfg, target)), seed=4)
+    return randomise(new_eagle_head(tiny_head_config(HeadKind.EAGLE1, V, H, L, fc_bias=True), target), seed=4)
 
 
 def rope_scaling_none_for_default(config_cls):

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import randomise, tiny_head_config, tiny_llama
 
 from verispec.drafters import build_drafter_factory
-from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind, init_head_weights, new_eagle_head
+from verispec.drafters.eagle_head import HeadKind, new_eagle_head
 from verispec.drafters.medusa_head import MedusaConfig, MedusaHeads
 from verispec.formats import (CheckpointError, MedusaLayout, eagle1, eagle3, medusa, read_config, read_tensors,
                               write_config, write_tensors)
@@ -31,19 +31,8 @@ def tiny():
     return tiny_llama(V, H, L)
 
 
-def randomise(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if "norm" in name else torch.randn(p.shape, generator=g) * 0.3)
-    return module.eval()
-
-
 def eagle_head(tiny, kind: HeadKind, **kw):
-    base = dict(kind=kind, hidden_size=H, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
-                vocab_size=V, draft_vocab_size=V, target_hidden_size=H, target_num_layers=L,
-                aux_layer_ids=EagleHeadConfig.default_aux_layer_ids(L) if kind is HeadKind.EAGLE3 else ())
-    head = randomise(init_head_weights(new_eagle_head(EagleHeadConfig(**(base | kw)), tiny)), seed=1)
+    head = randomise(new_eagle_head(tiny_head_config(kind, V, H, L, **kw), tiny), seed=1)
     if kind is HeadKind.EAGLE3 and head.cfg.draft_vocab_size < V:
         head.d2t.copy_(DRAFT_IDS - torch.arange(len(DRAFT_IDS)))
         head.t2d.zero_()
@@ -163,7 +152,8 @@ def drafter_of(tmp_path, tiny, method: str, folder):
     return build_drafter_factory(config, target)(1, 64)
 
 
-@pytest.mark.parametrize("kind,fmt", [(HeadKind.EAGLE3, "vllm"), (HeadKind.EAGLE3, "sglang"), (HeadKind.EAGLE1, "sglang")])
+@pytest.mark.parametrize("kind,fmt", [(HeadKind.EAGLE3, "vllm"), (HeadKind.EAGLE3, "sglang"),
+                                      (HeadKind.EAGLE1, "sglang")])
 def test_exported_eagle_head_loads_in_the_drafter_unchanged(tiny, tmp_path, kind, fmt):
     head = eagle_head(tiny, kind, **({"draft_vocab_size": len(DRAFT_IDS)} if kind is HeadKind.EAGLE3 else {}))
     (eagle3 if kind is HeadKind.EAGLE3 else eagle1).save(head, tmp_path / "src")

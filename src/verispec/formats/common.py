@@ -119,7 +119,8 @@ def check_shapes(state: dict[str, torch.Tensor], want: dict[str, tuple[int, ...]
     for name, t in state.items():
         if name in want and tuple(t.shape) != want[name]:
             label = (shown or {}).get(name, name)
-            raise CheckpointError(f"tensor {label}: checkpoint shape {tuple(t.shape)}, config.json implies {want[name]}")
+            raise CheckpointError(f"tensor {label}: checkpoint shape {tuple(t.shape)}, "
+                                  f"config.json implies {want[name]}")
 
 
 def copy_into(module: nn.Module, state: dict[str, torch.Tensor]) -> None:

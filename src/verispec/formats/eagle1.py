@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 
 from ..drafters.eagle_head import Eagle1Head, EagleHeadConfig, HeadKind
-from .common import (CONSUMER, CheckpointError, ExportFormat, check_names, check_shapes, dtype_of, read_config,
-                     read_tensors)
-from .eagle_layer import (EagleCheckpoint, add_target_embedding, build_head, check_own_embedding,
-                          check_target_hidden, eagle_rope_scaling, head_shapes, layer_names, llama_fields,
-                          llama_json, make_config, plain_names, refuse, save_head, standin_target)
+from .common import CONSUMER, CheckpointError, ExportFormat, dtype_of
+from .eagle_layer import (EagleCheckpoint, add_target_embedding, build_head, check_own_embedding, check_target_hidden,
+                          check_tensors, eagle_rope_scaling, layer_names, llama_fields, llama_json, make_config,
+                          plain_names, read_folder, refuse, save_head, standin_target)
 
 _WHAT = "an EAGLE-1 head"
 
@@ -61,15 +60,10 @@ def config_to_json(cfg: EagleHeadConfig, dtype: torch.dtype) -> dict:
 def read(folder: str | Path, target_cfg=None) -> EagleCheckpoint:
     """The validated checkpoint in ``folder`` for a target with config ``target_cfg`` (None: the
     head's own config stands in for it)."""
-    folder = Path(folder)
-    cfg_json = read_config(folder)
-    state = normalise(read_tensors(folder))
+    cfg_json, state = read_folder(folder, normalise)
     cfg = config_from_json(cfg_json, target_cfg or standin_target(cfg_json, None), "embed_tokens.weight" in state,
                            "fc.bias" in state)
-    names = tensor_names(cfg)
-    check_names(state, set(names))
-    shapes = head_shapes(cfg)
-    check_shapes(state, {k: shapes[v] for k, v in names.items()})
+    check_tensors(state, cfg, tensor_names(cfg))
     return EagleCheckpoint(cfg, state, cfg_json)
 
 

@@ -29,11 +29,10 @@ import torch
 
 from ..draft_vocab import DraftVocab
 from ..drafters.eagle_head import Eagle3Head, EagleHeadConfig, HeadKind
-from .common import (CONSUMER, CheckpointError, ExportFormat, check_names, check_shapes, dtype_of, read_config,
-                     read_tensors)
-from .eagle_layer import (EagleCheckpoint, add_target_embedding, build_head, check_own_embedding,
-                          check_target_hidden, eagle_rope_scaling, head_shapes, layer_names, llama_fields,
-                          llama_json, make_config, plain_names, refuse, save_head, standin_target)
+from .common import CONSUMER, CheckpointError, ExportFormat, check_names, dtype_of
+from .eagle_layer import (EagleCheckpoint, add_target_embedding, build_head, check_own_embedding, check_target_hidden,
+                          check_tensors, eagle_rope_scaling, layer_names, llama_fields, llama_json, make_config,
+                          plain_names, read_folder, refuse, save_head, standin_target)
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
 _WHAT = "an EAGLE-3 head"
@@ -113,20 +112,17 @@ def check_vocab_maps(state: dict, cfg: EagleHeadConfig) -> None:
 def read(folder: str | Path, target_cfg=None, aux_layer_ids: tuple[int, ...] | None = None) -> EagleCheckpoint:
     """The validated checkpoint in ``folder`` for a target with config ``target_cfg`` (None: the
     head's own config stands in for it; aux ids it does not name are then a stand-in)."""
-    folder = Path(folder)
-    cfg_json = read_config(folder)
-    state = normalise(read_tensors(folder))
+    cfg_json, state = read_folder(folder, normalise)
     ids = aux_layer_ids or aux_ids_in_json(cfg_json)
     standin = target_cfg is None and ids is None
     cfg = config_from_json(cfg_json, target_cfg or standin_target(cfg_json, ids), "embed_tokens.weight" in state,
                            (2, 3, 3) if standin else ids)
-    names = tensor_names(cfg)
     if "d2t" not in state and cfg.draft_vocab_size == cfg.vocab_size:
         state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)      # full vocabulary: identity
+    names = tensor_names(cfg)
     check_names(state, set(names), optional={"t2d"})
-    check_vocab_maps(state, cfg)
-    shapes = head_shapes(cfg)
-    check_shapes(state, {k: shapes[v] for k, v in names.items()})
+    check_vocab_maps(state, cfg)                                          # its message names the vocabulary maps
+    check_tensors(state, cfg, names)
     return EagleCheckpoint(cfg, state, cfg_json, not standin)
 
 

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import torch
 
 from ..drafters.eagle_head import Eagle1Head, Eagle3Head, EagleHead, EagleHeadConfig, HeadKind, new_eagle_head
-from .common import (CONSUMER, CheckpointError, ExportFormat, copy_into, dtype_name, module_shapes,
-                     strip_model_prefix, write_config, write_tensors)
+from .common import (CONSUMER, CheckpointError, ExportFormat, check_names, check_shapes, copy_into, dtype_name,
+                     module_shapes, read_config, read_tensors, strip_model_prefix, write_config, write_tensors)
 
 _LAYER = {"self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "self_attn.v_proj": "attn.wv",
           "self_attn.o_proj": "attn.wo", "mlp.gate_proj": "mlp.w_gate", "mlp.up_proj": "mlp.w_up",
@@ -72,7 +72,8 @@ def llama_fields(cfg: dict, target_cfg) -> dict:
     return dict(hidden_size=hidden, intermediate_size=inter, num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads), vocab_size=vocab,
-                target_hidden_size=int(cfg.get("target_hidden_size") or hidden), target_num_layers=target_cfg.num_layers,
+                target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
+                target_num_layers=target_cfg.num_layers,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
                 rope_scaling=cfg.get("rope_scaling"),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
@@ -126,7 +127,21 @@ def head_shapes(cfg: EagleHeadConfig) -> dict[str, tuple[int, ...]]:
     return module_shapes(head)
 
 
-# -- load / save ---------------------------------------------------------------------------------------
+# -- read / load / save --------------------------------------------------------------------------------
+def read_folder(folder: str | Path, normalise) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``folder``'s config.json and its tensors under the official names (``normalise``: the kind's)."""
+    return read_config(Path(folder)), normalise(read_tensors(Path(folder)))
+
+
+def check_tensors(state: dict[str, torch.Tensor], cfg: EagleHeadConfig, names: dict[str, str],
+                  optional: set[str] = frozenset()) -> None:
+    """``state`` holds exactly the tensors ``names`` lists (``optional`` ones may be absent), each
+    of the shape ``cfg`` implies."""
+    check_names(state, set(names), optional=optional)
+    shapes = head_shapes(cfg)
+    check_shapes(state, {k: shapes[v] for k, v in names.items()})
+
+
 def build_head(ck: EagleCheckpoint, names: dict[str, str], target_model) -> EagleHead:
     """The head of a validated checkpoint for ``target_model``: eval mode, no gradients."""
     head = new_eagle_head(ck.cfg, target_model)

@@ -2,8 +2,9 @@
 
 ``export_checkpoint(src, dst, fmt, target_model=None)`` reads a head folder written by
 ``verispec.formats`` (``save_eagle_head`` / ``save_medusa_heads``, or any folder those loaders
-accept) with the same format module the loaders use (``formats.eagle3``, ``eagle1``, ``medusa``), detects what it holds from its ``config.json`` (``detect_source``) and writes ``dst`` in
-the layout a consumer loads. Tensors keep their source dtype (bf16 stays bf16); every source tensor
+accept) with the format module the loaders use (``formats.eagle3``, ``eagle1``, ``medusa``),
+detects what it holds from its ``config.json`` (``detect_source``) and writes ``dst`` in the
+layout a consumer loads. Tensors keep their source dtype (bf16 stays bf16); every source tensor
 is written; nothing is written unless the whole export is valid; a non-empty ``dst`` is refused
 unless ``overwrite=True`` (which first removes the config and weight files already there, so a
 consumer never picks up a stale ``pytorch_model.bin`` beside a new ``model.safetensors``).
