@@ -36,9 +36,8 @@ from pathlib import Path
 
 import torch
 
-from verispec.checkpoints import new_eagle_head
 from verispec.drafters.dynamic_tree import DynamicTreeConfig, rank
-from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind, init_head_weights
+from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind, init_head_weights, new_eagle_head
 from verispec.models.kv_cache import KVCache
 from verispec.models.loading import load_model
 from verispec.tree import DraftTree

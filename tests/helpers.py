@@ -62,3 +62,25 @@ def tiny_llama(vocab: int, hidden: int, layers: int, seed: int = 0):
                       num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8)
     torch.manual_seed(seed)
     return Transformer(cfg).eval().requires_grad_(False)
+
+
+def randomise(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every parameter of ``module`` random (norm weights in [0.5, 1.5), others N(0, 0.3)), eval:
+    tensors no two checkpoints share by chance, so a misplaced tensor changes the outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if "norm" in name
+                    else torch.randn(p.shape, generator=g) * 0.3)
+    return module.eval()
+
+
+def tiny_head_config(kind, vocab: int, hidden: int, layers: int, **overrides):
+    """An ``EagleHeadConfig`` for a ``tiny_llama`` target (4 heads of 8, 2 KV heads; EAGLE-3: the
+    default aux layers), with ``overrides``."""
+    from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind
+    eagle3 = HeadKind(kind) is HeadKind.EAGLE3
+    base = dict(kind=kind, hidden_size=hidden, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
+                vocab_size=vocab, draft_vocab_size=vocab, target_hidden_size=hidden, target_num_layers=layers,
+                aux_layer_ids=EagleHeadConfig.default_aux_layer_ids(layers) if eagle3 else ())
+    return EagleHeadConfig(**(base | overrides))

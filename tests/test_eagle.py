@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from helpers import HEAD_TOKENS, assert_same_or_tie
 from verispec import LLM, SamplingParams
-from verispec.checkpoints import new_eagle_head, save_eagle_head
+from verispec.formats import new_eagle_head, save_eagle_head
 from verispec.drafters.base import DraftRequest, TargetFeatures
 from verispec.drafters.dynamic_tree import DynamicTreeConfig, StaticTreeConfig
 from verispec.drafters.eagle import EagleDrafter
@@ -329,7 +329,7 @@ def test_sampling_is_lossless_tiny_model(tree, one_thread):
 @pytest.mark.slow
 def test_sampling_is_lossless_real_model(target, prompts, heads):
     """SmolLM2 with the trained EAGLE-3 head: first three tokens at temperature 0.8, top-k 3."""
-    from verispec.checkpoints import load_eagle_head
+    from verispec.formats import load_eagle_head
     head = load_eagle_head(heads["e3_trained"], target.model, HeadKind.EAGLE3)
     prompt, n = prompts[2], 1200
     params_of = lambda i: SamplingParams(temperature=0.8, top_k=3, max_tokens=5, seed=i)  # noqa: E731

@@ -11,11 +11,11 @@ import torch
 
 from helpers import tiny_llama
 
-from verispec.checkpoints import (CheckpointError, MedusaLayout, load_eagle_head, load_medusa_heads,
+from verispec.formats import (CheckpointError, MedusaLayout, load_eagle_head, load_medusa_heads,
                                   new_eagle_head, read_tensors, save_eagle_head, save_medusa_heads,
                                   write_tensors)
 from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind, init_head_weights
-from verispec.drafters.medusa import MedusaConfig, MedusaHeads
+from verispec.drafters.medusa_head import MedusaConfig, MedusaHeads
 from verispec.train.export import (ExportFormat, ExportWarning, SourceKind, detect_source, export,
                                    export_checkpoint)
 
@@ -208,8 +208,11 @@ def test_medusa_untied(tiny, tmp_path, fmt, layout):
     rep = export(tmp_path / "src", tmp_path / "out", fmt, base_model_name_or_path="org/target")
     out, cfg = tmp_path / "out", cfg_of(tmp_path / "out")
     if fmt == "medusa":
-        assert files(out) == {"config.json", "medusa_lm_head.safetensors"}
+        assert files(out) == {"config.json", "medusa_lm_head.safetensors", "medusa_lm_head.pt"}
+        for weights in ("medusa_lm_head.safetensors", "medusa_lm_head.pt"):     # MedusaModel reads the .pt
+            same_tensors(read_tensors(out, ("medusa_lm_head.safetensors",)), read_tensors(out, (weights,)))
         assert set(read_tensors(out, ("medusa_lm_head.safetensors",))) == fd_names(3, 2)
+        assert [f for f, _ in rep.files] == ["medusa_lm_head.safetensors", "medusa_lm_head.pt", "config.json"]
         assert cfg["medusa_num_heads"] == 3 and cfg["medusa_num_layers"] == 2
         assert cfg["base_model_name_or_path"] == "org/target" and cfg["tie_lm_head"] is False
         assert any("[ResBlock] * medusa_num_layers" in n for n in rep.notes)

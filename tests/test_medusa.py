@@ -11,11 +11,12 @@ import torch.nn.functional as F
 
 from helpers import HEAD_TOKENS, assert_same_or_tie
 from verispec import LLM, SamplingParams
-from verispec.checkpoints import MedusaLayout, save_medusa_heads
+from verispec.formats import MedusaLayout, save_medusa_heads
 from verispec.drafters.base import DraftRequest, TargetFeatures
 from verispec.drafters.dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
 from verispec.acceptance import LOSSLESS, LossyTypicalAcceptance
-from verispec.drafters.medusa import DEFAULT_MEDUSA_CHOICES, MedusaConfig, MedusaDrafter, MedusaHeads
+from verispec.drafters.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDrafter
+from verispec.drafters.medusa_head import MedusaConfig, MedusaHeads
 from verispec.sampling import target_probs
 from verispec.spec_config import SpecConfigError
 from verispec.tree import DraftTree, validate_choices

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from verispec.checkpoints import load_eagle_head, load_medusa_heads
+from verispec.formats import load_eagle_head, load_medusa_heads
 from verispec.drafters.eagle_head import HeadKind
 from verispec.models.config import ModelConfig
 from verispec.models.loading import load_model

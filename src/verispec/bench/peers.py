@@ -34,7 +34,7 @@ from ..metrics import SpecStats
 from ..models.config import LLAMA_FAMILY, ModelConfig
 from ..models.loading import LoadedModel, load_model
 from ..sampling import SamplingParams
-from . import BenchError, GenResult
+from .records import BenchError, GenResult
 
 WEIGHTS = ("loader", "shared")
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..metrics import SpecStats
-from . import BenchResult, RunRecord
+from .records import BenchResult, RunRecord
 
 OVERALL = "overall"
 PLOTS = ("speedup_per_category.png", "acceptance_per_position.png", "speedup_vs_batch.png",
@@ -463,7 +463,7 @@ def results_json(results: list[BenchResult], summaries: list[list[Summary]]) -> 
 
 def load_results(path: str | Path) -> list[BenchResult]:
     """The suites of a ``results.json`` as ``BenchResult`` objects (to re-render a report)."""
-    from . import FidelityRecord, MethodSpec
+    from .records import FidelityRecord, MethodSpec
     doc = json.loads(Path(path).read_text())
     out = []
     for s in doc["suites"]:

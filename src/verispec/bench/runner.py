@@ -42,7 +42,7 @@ from ..models.sources import ModelSourceError
 from ..sampling import SamplingParams
 from ..shipped import model_stem, shipped_head
 from ..spec_config import SpecConfigError
-from . import PEER_KINDS, BenchError, BenchResult, FidelityRecord, GenResult, MethodSpec, RunRecord, stats_dict
+from .records import PEER_KINDS, BenchError, BenchResult, FidelityRecord, GenResult, MethodSpec, RunRecord, stats_dict
 
 METHOD_NAMES = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa", "hf", "hf-pld", "hf-assisted")
 DEFAULT_METHODS = ("vanilla", "ngram", "draft_model", "hf", "hf-pld")

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..checkpoints import CheckpointError
+from ..formats import CheckpointError
 from ..train.export import VALID_FORMATS, ExportFormat, detect_source, export
 
 

@@ -110,7 +110,7 @@ def _eval_only(args: argparse.Namespace, trainer, n_heldout: int) -> int:
 def _warm_head(args: argparse.Namespace, target):
     """The head of ``--init-from`` (trainable, fp32) and its draft vocabulary; its config (draft
     vocabulary, aux layers, EAGLE-3.1 switches) replaces the ones the flags would choose."""
-    from ..checkpoints import load_eagle_head
+    from ..formats import load_eagle_head
     from ..drafters.eagle_head import HeadKind
     from ..train.vocab import DraftVocab
     head = load_eagle_head(args.init_from, target, HeadKind.EAGLE3)

@@ -232,7 +232,7 @@ def _dynamic(config: TreeHeadConfig, rank_by, rerank) -> DynamicTreeConfig:
 
 def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind):
     """Load the head checkpoint named by ``config.model`` once; make a drafter per engine."""
-    from ..checkpoints import CheckpointError, load_eagle_head
+    from ..formats import CheckpointError, load_eagle_head
     config = with_shipped_head(config, target)
     aux = getattr(config, "eagle_aux_hidden_state_layer_ids", None)     # Eagle3Config only
     try:

@@ -17,7 +17,7 @@ Heads share one interface, used by ``eagle.EagleDrafter``:
   the children and draft-vocabulary logits;
 - ``draft_to_target(ids)``: draft-vocabulary ids to target ids (EAGLE-3 ``d2t``: i + d2t[i]).
 
-Architectures (names as in the official checkpoints, mapped in ``verispec.checkpoints``):
+Architectures (names as in the official checkpoints, mapped in ``verispec.formats``):
 - EAGLE-3: ``x = fc(concat(f_low, f_mid, f_high))``; one Llama layer whose q/k/v read
   ``concat(input_layernorm(embed(token)), hidden_norm(x))`` (2h) with residual ``x``;
   logits ``lm_head(norm(out))`` over the draft vocabulary; fed back: ``out`` (EAGLE-3) or
@@ -283,6 +283,18 @@ class Eagle1Head(_HeadBase):
 
 
 EagleHead = Eagle1Head | Eagle3Head
+
+
+def new_eagle_head(cfg: EagleHeadConfig, target_model) -> EagleHead:
+    """A freshly initialised head for ``target_model`` (our ``Transformer``) in the target's dtype,
+    sharing the target's embedding unless ``cfg.own_embedding`` (EAGLE-1: and its lm_head)."""
+    dtype = next(target_model.parameters()).dtype
+    embed = None if cfg.own_embedding else target_model.embed.weight.detach()
+    if cfg.kind is HeadKind.EAGLE3:
+        head = Eagle3Head(cfg, embed)
+    else:
+        head = Eagle1Head(cfg, embed, target_model.lm_head.weight.detach())
+    return head.to(dtype)
 
 
 def init_head_weights(head: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:

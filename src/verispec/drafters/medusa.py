@@ -16,10 +16,8 @@ built with it, the drafter never chooses it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..models.packed import follows_packed_target
@@ -28,6 +26,7 @@ from ..spec_config import MedusaSpecConfig, SpecConfigError
 from ..tree import DraftTree, tree_from_choices
 from .base import DraftRequest, TargetFeatures
 from .dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
+from .medusa_head import MedusaHeads
 
 # FasterDecoding's ``mc_sim_7b_63`` sparse tree. It was built greedily by estimated acceptance, so
 # every prefix is a tree; the default keeps the first ``DEFAULT_NUM_DRAFT_TOKENS`` paths, the node
@@ -40,72 +39,6 @@ MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
     (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2), (2, 0, 0), (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5),
     (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0), (0, 0, 0, 1), (1, 6), (0, 7, 0))
 DEFAULT_MEDUSA_CHOICES = MC_SIM_7B_63[:DEFAULT_NUM_DRAFT_TOKENS]
-
-
-@dataclass(frozen=True)
-class MedusaConfig:
-    num_heads: int
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    tied_lm_head: bool = False      # True: every head projects with the target's lm_head
-    block_bias: bool = True         # FasterDecoding's blocks have biases; vLLM's may not
-
-    def __post_init__(self) -> None:
-        if self.num_heads < 1 or self.num_layers < 0:
-            raise ValueError(f"medusa needs >= 1 head and >= 0 layers, got {self.num_heads}, {self.num_layers}")
-
-
-class ResidualBlock(nn.Module):
-    """``x + SiLU(linear(x))`` for each of ``layers`` in turn."""
-
-    def __init__(self, hidden: int, num_layers: int, bias: bool):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(hidden, hidden, bias=bias) for _ in range(num_layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = x + F.silu(layer(x))
-        return x
-
-
-class MedusaHeads(nn.Module):
-    """``forward(f [..., h]) -> logits [..., K, V]``. Parameter names follow vLLM's
-    (``blocks.{i}.layers.{j}``, ``lm_heads.{i}``); ``checkpoints`` maps FasterDecoding's."""
-
-    def __init__(self, cfg: MedusaConfig, target_lm_head: torch.Tensor | None = None):
-        super().__init__()
-        self.cfg = cfg
-        self.blocks = nn.ModuleList(ResidualBlock(cfg.hidden_size, cfg.num_layers, cfg.block_bias)
-                                    for _ in range(cfg.num_heads))
-        if cfg.tied_lm_head:
-            if target_lm_head is None:
-                raise ValueError("tied Medusa heads need the target's lm_head weight")
-            self.lm_heads = None
-            self.register_buffer("target_lm_head", target_lm_head, persistent=False)
-        else:
-            self.lm_heads = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-                                          for _ in range(cfg.num_heads))
-
-    def pack_fp16_(self, target_lm_head: nn.Module | None = None) -> "MedusaHeads":
-        """fp16-packed matmuls (``models.packed``), for heads drafting for an fp16-packed target
-        (``target_lm_head``: the target's packed LM head, which tied heads read through)."""
-        from ..models.packed import pack_linears_fp16_, shared_reader
-        pack_linears_fp16_(self)
-        if self.lm_heads is None:
-            self.__dict__["_lm_reader"] = shared_reader(self.target_lm_head, target_lm_head)   # not a submodule
-        return self
-
-    def head_states(self, f: torch.Tensor) -> torch.Tensor:
-        """[..., K, h]: the residual blocks' output of each head."""
-        return torch.stack([blk(f) for blk in self.blocks], dim=-2)
-
-    def forward(self, f: torch.Tensor) -> torch.Tensor:
-        states = self.head_states(f)
-        if self.lm_heads is None:
-            reader = self.__dict__.get("_lm_reader")
-            return reader(states) if reader is not None else F.linear(states, self.target_lm_head)
-        return torch.stack([lm(states[..., k, :]) for k, lm in enumerate(self.lm_heads)], dim=-2)
 
 
 class MedusaDrafter:
@@ -171,7 +104,7 @@ def medusa_tree(config: MedusaSpecConfig, num_heads: int) -> StaticTreeConfig:
 
 
 def build_medusa_factory(config: MedusaSpecConfig, target):
-    from ..checkpoints import CheckpointError, load_medusa_heads
+    from ..formats import CheckpointError, load_medusa_heads
     config = with_shipped_head(config, target)
     try:
         heads = load_medusa_heads(config.model, target.model)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoints import save_eagle_head
+from ..formats import save_eagle_head
 from ..drafters.eagle_head import Eagle1Head, EagleHeadConfig, HeadKind, init_head_weights
 from .loop import Batch, StepOut
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoints import save_eagle_head
+from ..formats import save_eagle_head
 from ..drafters.eagle_head import Eagle3Head, EagleHeadConfig, HeadKind, init_head_weights
 from ..drafters.base import TargetFeatures
 from ..models.transformer import apply_rope

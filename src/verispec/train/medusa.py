@@ -33,7 +33,7 @@ Medusa-2 checkpoint layout (``Medusa2Task.save(folder)``):
   ..., ``model.norm.weight``, ``lm_head.weight`` unless ``tie_word_embeddings``), readable by
   ``verispec.models.loading.load_model(folder)`` and by ``transformers``; the tokenizer files too
   when the task was given one (``task.tokenizer``);
-- ``folder/medusa/``: the heads (``checkpoints.save_medusa_heads``, FasterDecoding layout), to be
+- ``folder/medusa/``: the heads (``formats.save_medusa_heads``, FasterDecoding layout), to be
   loaded against the *new* backbone (``load_medusa_heads(folder / "medusa", backbone)``).
 
 Statistics: ``acc{k}`` = share of head k's valid positions where its argmax is the data token;
@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoints import save_medusa_heads, write_config, write_tensors
-from ..drafters.medusa import MedusaConfig, MedusaHeads
+from ..formats import save_medusa_heads, write_config, write_tensors
+from ..drafters.medusa_head import MedusaConfig, MedusaHeads
 from ..models.hf_loader import _HF_GLOBAL, _HF_LAYER
 from ..models.transformer import Transformer
 from .loop import Batch, StepOut
