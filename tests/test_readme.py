@@ -34,3 +34,19 @@ def test_headline_numbers_are_those_of_the_committed_run():
         assert tuple(row[2:7]) in have, row
         assert re.fullmatch(r"\d+\.\d\dx", row[4])
     assert "cores" in (ROOT / "README.md").read_text().split("## Headline numbers")[1][:600]
+
+
+def test_layout_table_names_every_module():
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Layout"):]
+    section = section[:section.index("\n## ", 3)]
+    listed = set(re.findall(r"\| `([^`]+)` \|", section))
+    src = ROOT / "src" / "verispec"
+    missing = []
+    for p in sorted(src.iterdir()):
+        if p.name.startswith("__") or p.suffix not in (".py", "") or p.name.endswith(".egg-info"):
+            continue
+        rel = f"src/verispec/{p.name}" + ("/" if p.is_dir() else "")
+        if rel not in listed:
+            missing.append(rel)
+    assert not missing, missing
