@@ -97,14 +97,17 @@ def write_md(results: dict, path: str) -> None:
              f"ShareGPT conversations, greedy, {results['max_tokens']} new tokens at most, prompts of at most "
              "512 tokens (longer ones skipped).", "",
              "| weights | batch | threads x processes | conversations | tokens | end-to-end tok/s | "
-             "steady tok/s | cpu/wall |", "|---|---|---|---|---|---|---|---|"]
+             "steady tok/s | cpu/wall | tokens per CPU-second |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         steady = f"{r['steady_tok_s']:.1f}" if r["steady_tok_s"] else "-"
         lines.append(f"| {r['weights']} | {r['batch']} | {r['threads']} x {r['processes']} | {r['conversations']} | "
-                     f"{r['output_tokens']} | {r['end_to_end_tok_s']:.1f} | {steady} | {r['cpu_per_wall']:.2f} |")
+                     f"{r['output_tokens']} | {r['end_to_end_tok_s']:.1f} | {steady} | {r['cpu_per_wall']:.2f} | "
+                     f"{r['end_to_end_tok_s'] / r['cpu_per_wall']:.1f} |")
     lines += ["", "End to end: all generated tokens over wall time (fill, prefills, drain included). Steady: "
               "from the first finished answer until the input ran out (every row busy). Rows with several "
-              "processes add the processes' rates (they ran at the same time, one `--shard i/n` each).", "",
+              "processes add the processes' rates (they ran at the same time, one `--shard i/n` each). Tokens per "
+              "CPU-second: end-to-end tokens over the CPU time the run got, the number least disturbed by "
+              "the other work on the machine.", "",
               f"Command: `python benchmarks/regen_throughput.py --max-tokens {results['max_tokens']}`."]
     if results.get("notes"):
         lines += ["", results["notes"]]
