@@ -22,6 +22,7 @@ file per shard, so n processes (``--shard i/n``) partition the work.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -97,7 +98,11 @@ def shard_output(out: str | Path, index: int, count: int) -> Path:
 
 
 def _write_stats(out: Path, total: RegenStats) -> None:
-    _stats_path(out).write_text(json.dumps(asdict(total) | {"tokens_per_second": total.tokens_per_second}))
+    """Replace the stats file atomically (it is rewritten after every conversation)."""
+    path = _stats_path(out)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(total) | {"tokens_per_second": total.tokens_per_second}))
+    os.replace(tmp, path)
 
 
 def regenerate(llm, convs: list[Conversation], out: str | Path, *, temperature: float = 0.0,
