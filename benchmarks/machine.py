@@ -28,3 +28,13 @@ def parse_result_args(ap, name: str, write_md) -> "object | None":
     with open(args.out + ".json") as f:
         write_md(json.load(f), args.out + ".md")
     return None
+
+
+def write_result(results: dict, out: str, write_md) -> None:
+    """Write ``out``.json atomically, then ``write_md(results, out + ".md")``."""
+    import json
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".json.tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(out + ".json.tmp", out + ".json")
+    write_md(results, out + ".md")

