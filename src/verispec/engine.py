@@ -238,7 +238,9 @@ class Engine:
     def step(self, budget: int | None = None) -> StepReport:
         """One draft-verify-accept step for every running sequence. ``budget``: draft nodes
         allowed per sequence this step (None: the drafter's own size; 0: plain decoding)."""
-        seqs = [s for s in self.running if not s.finished]
+        # Rows in row order: a full batch then reads its KV cache rows as one view, not a gather
+        # (after refills ``running`` is in admission order; this was half of a batch-64 step).
+        seqs = sorted((s for s in self.running if not s.finished), key=lambda s: s.row)
         budget = self.max_tree_nodes if budget is None else max(0, min(budget, self.max_tree_nodes))
         if not seqs:
             return StepReport([], budget, 0, 0, 0.0)

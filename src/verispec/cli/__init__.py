@@ -1,4 +1,4 @@
-"""The ``verispec`` command: generate, chat, models, serve, bench, train, data, export.
+"""The ``verispec`` command: generate, chat, models, serve, bench, train, data, export, audit.
 
 Each sub-command lives in its own module exposing ``add_parser(subparsers)``; a module whose
 dependencies are missing is left out with a note in ``--help`` instead of breaking the CLI.
@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-_COMMANDS = ("generate", "models", "serve", "bench", "train", "data", "export")
+_COMMANDS = ("generate", "models", "serve", "bench", "train", "data", "export", "audit")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ own generator seeded from ``params.seed`` and is prefilled alone, so what a conv
 not depend on which others share its batch (up to floating-point summation order).
 
 This module uses only the engine's public surface (``LLM.make_engine``, ``Engine.add``,
-``Engine.step``, ``Engine.can_admit``, ``Engine.running``, ``Sequence``); it knows nothing about files.
+``Engine.step``, ``Engine.can_admit``, ``Engine.num_running``, ``Sequence``); it knows nothing about files.
 """
 from __future__ import annotations
 
@@ -135,10 +135,8 @@ class TurnBatcher:
             # 1) admit turns into free rows  2) one step for every row  3) hand out finished jobs
             self._fill(jobs)
             yield from self._drain()
-            if not self.engine.running:
+            if not self.engine.num_running:
                 return                       # nothing in flight and nothing left to admit
-            # Rows in row order: a full batch then reads its KV cache as one view, not a gather.
-            self.engine.running.sort(key=lambda s: s.row)
             self.engine.step()
 
     def _drain(self) -> Iterator[ConversationJob]:
