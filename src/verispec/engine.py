@@ -32,7 +32,7 @@ from .models.kv_cache import KVCache
 from .models.transformer import Transformer
 from .params import SamplingParams
 from .sampling import make_generator, sample
-from .tree import DraftTree
+from .tree import DraftTree, pack_trees
 
 PREFILL_CHUNK = 512
 _ids = itertools.count()
@@ -295,20 +295,9 @@ class Engine:
         return max(0, min(left_tokens, left_ctx) - 1)
 
     def _verify_forward(self, seqs, trees):
-        t = 1 + max(len(tr) for tr in trees)
-        b = len(seqs)
-        tokens = torch.zeros(b, t, dtype=torch.long)
-        positions = torch.zeros(b, t, dtype=torch.long)
-        mask = torch.eye(t, dtype=torch.bool).repeat(b, 1, 1)
+        """One target forward over (root, tree nodes...) of every row, right-padded (``pack_trees``)."""
         rows = torch.tensor([s.row for s in seqs])
-        lengths = self.cache.lengths[rows].tolist()
-        for i, (seq, tree) in enumerate(zip(seqs, trees)):
-            n = len(tree) + 1
-            tokens[i, 0] = seq.root
-            tokens[i, 1:n] = tree.tokens
-            positions[i, :n] = tree.positions(lengths[i])
-            positions[i, n:] = lengths[i]
-            mask[i, :n, :n] = tree.ancestor_mask()
+        tokens, positions, mask = pack_trees(trees, self.cache.lengths[rows], roots=[s.root for s in seqs])
         layers, want_last = self._feature_request()
         out = self.model(tokens, positions, self.cache, attn_mask=mask, rows=rows, hidden_layers=layers)
         return out, rows

@@ -4,6 +4,10 @@ A tree hangs below the *root*, the last token already chosen (its K/V not yet in
 cache). Nodes are numbered 0..N-1 in topological order (a parent before its children); siblings
 are tried by the verifier in node order. A chain is a tree with one branch; an empty tree means
 plain decoding. The verifier never knows which drafter made a tree.
+
+Shared by every drafter and the engine: ``ChoicesFiller`` fills a static EAGLE / Medusa choices
+tree with ranked candidates (``tree_from_choices`` is its one-shot use), and ``pack_trees`` pads
+per-row trees into one batched tree-attention forward (tokens, positions, mask).
 """
 from __future__ import annotations
 
@@ -56,11 +60,10 @@ class DraftTree:
     @property
     def depth(self) -> torch.Tensor:
         """[N] depth of each node (children of the root have depth 1)."""
-        d = torch.zeros(len(self), dtype=torch.long)
-        par = self.parents.tolist()
-        for i, p in enumerate(par):
-            d[i] = 1 if p < 0 else d[p] + 1
-        return d
+        d: list[int] = []
+        for p in self.parents.tolist():
+            d.append(1 if p < 0 else d[p] + 1)
+        return torch.tensor(d, dtype=torch.long)
 
     def children(self) -> list[list[int]]:
         """children()[p + 1] = node indices whose parent is p (index 0 = the root's children)."""
@@ -69,14 +72,19 @@ class DraftTree:
             out[p + 1].append(i)
         return out
 
+    def root_paths(self) -> list[list[int]]:
+        """For each entry of (root, nodes...) (entry 0 = the root, node i = entry i + 1): the
+        entries on its path from the root, itself last."""
+        out = [[0]]
+        for i, p in enumerate(self.parents.tolist()):
+            out.append(out[p + 1] + [i + 1])
+        return out
+
     def ancestor_mask(self) -> torch.Tensor:
         """[N+1, N+1] bool over (root, nodes...): entry [i, j] True if j is i or an ancestor of i."""
-        n = len(self)
-        m = torch.eye(n + 1, dtype=torch.bool)
-        m[:, 0] = True
-        for i, p in enumerate(self.parents.tolist()):
-            if p >= 0:
-                m[i + 1] |= m[p + 1]
+        paths = self.root_paths()
+        m = torch.zeros(len(paths), len(paths), dtype=torch.bool)
+        m[[i for i, path in enumerate(paths) for _ in path], [j for path in paths for j in path]] = True
         return m
 
     def positions(self, start: int) -> torch.Tensor:
@@ -117,19 +125,103 @@ def validate_choices(choices: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
     return sorted(norm, key=lambda c: (len(c), c))
 
 
+class ChoicesFiller:
+    """A static choices tree (``validate_choices``) filled level by level with ranked candidates.
+
+    Driven level by level (for depth 0, 1, ...: ``add_children(path, ...)`` for each path of
+    ``expandable(depth)``, in that order, once its ranked candidates are known), nodes come in
+    choices order, (depth, path), which is topological. A choice whose rank is beyond the
+    candidates given, or whose parent was never created, is skipped; no node is created once
+    ``budget`` nodes exist, so a budget keeps the first ``budget`` nodes of the unbounded tree.
+
+    State (one entry per node, node order): ``tokens`` [N] and ``parents`` [N] (node index, -1 =
+    the root), ``payload`` [N] (what the caller gave with each candidate, None where nothing),
+    ``index``: choices path -> node index (``()`` -> -1)."""
+
+    def __init__(self, choices: Sequence[Sequence[int]], budget: int | None = None):
+        self.choices = validate_choices(choices)
+        self.budget = budget
+        self._kids: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for c in self.choices:
+            self._kids.setdefault(c[:-1], []).append(c)
+        self.index: dict[tuple[int, ...], int] = {(): -1}
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.payload: list = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return max((len(c) for c in self.choices), default=0)
+
+    @property
+    def full(self) -> bool:
+        return self.budget is not None and len(self.tokens) >= self.budget
+
+    def expandable(self, depth: int) -> list[tuple[int, ...]]:
+        """Paths of the existing nodes of ``depth`` (0: the root ``()``) that the choices give
+        children, in node order: the nodes whose candidates a level needs."""
+        return [p for p in self.index if len(p) == depth and p in self._kids]
+
+    def add_children(self, path: tuple[int, ...], tokens: Sequence[int], payload: Sequence | None = None) -> None:
+        """Create the children of node ``path`` that the choices name: rank r becomes token
+        ``tokens[r]`` (candidates best first) with ``payload[r]`` (None: no payload)."""
+        for c in self._kids.get(path, ()):
+            if self.full:
+                return
+            if c[-1] < len(tokens):
+                self.index[c] = len(self.tokens)
+                self.tokens.append(int(tokens[c[-1]]))
+                self.parents.append(self.index[path])
+                self.payload.append(None if payload is None else payload[c[-1]])
+
+    def tree(self, q: bool = False) -> DraftTree:
+        """The nodes so far; ``q``: the payloads are the nodes' q rows ([V] tensors), stacked to
+        ``q`` [N, V] (None for an empty tree)."""
+        return DraftTree(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents, dtype=torch.long),
+                         torch.stack(self.payload) if q and self.payload else None)
+
+
 def tree_from_choices(choices: Sequence[Sequence[int]], ranked: "callable") -> DraftTree:
-    """Build a tree from validated choices. ``ranked(parent_path) -> list[int]`` returns the
-    candidate tokens below a path in rank order (rank r = ``ranked(path)[r]``)."""
-    choices = validate_choices(choices)
-    index = {(): -1}
-    toks, pars = [], []
-    for c in choices:
-        if c[:-1] not in index:
-            continue
-        cands = ranked(c[:-1])
-        if c[-1] >= len(cands):
-            continue
-        index[c] = len(toks)
-        toks.append(int(cands[c[-1]]))
-        pars.append(index[c[:-1]])
-    return DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long))
+    """Build a tree from choices. ``ranked(parent_path) -> list[int]`` returns the candidate
+    tokens below a path in rank order (rank r = ``ranked(path)[r]``); it is called once per
+    node that has children in the choices, parents first."""
+    filler = ChoicesFiller(choices)
+    for depth in range(filler.max_depth):
+        for path in filler.expandable(depth):
+            filler.add_children(path, ranked(path))
+    return filler.tree()
+
+
+def pack_trees(trees: Sequence[DraftTree], starts: Sequence[int] | torch.Tensor,
+               roots: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad B per-row trees (of any sizes) into one batch for a forward with tree attention.
+
+    Row b holds ``roots[b]`` and then the nodes of ``trees[b]`` when ``roots`` is given (the root
+    is not in the cache yet), else the nodes alone (the root already is). T = the longest row, at
+    least 1. ``starts`` [B]: position of the root (with ``roots``) or of depth-1 nodes (without).
+    Returns
+    - tokens [B, T] int64: the row's tokens, 0 in padding;
+    - positions [B, T] int64: ``starts[b] + depth`` (the root has depth 0) with ``roots``,
+      ``starts[b] + depth - 1`` without; ``starts[b]`` in padding;
+    - mask [B, T, T] bool: [b, i, j] True iff entry j of row b is entry i or its ancestor (the
+      root is every node's ancestor); a padding entry sees only itself."""
+    k = 0 if roots is not None else 1          # entries of (root, nodes...) a row leaves out
+    starts = torch.as_tensor(starts, dtype=torch.long).tolist()
+    t = max([1] + [len(tree) + 1 - k for tree in trees])
+    tokens = [[0] * t for _ in trees]
+    positions = [[s] * t for s in starts]
+    seen: list[int] = []                       # flat indices (b * T + i) * T + j of the True entries
+    for b, tree in enumerate(trees):
+        toks = ([roots[b]] if roots is not None else []) + tree.tokens.tolist()
+        tokens[b][:len(toks)] = toks
+        for i, path in enumerate(tree.root_paths()[k:]):
+            positions[b][i] = starts[b] + len(path) - 1 - k
+            seen += [(b * t + i) * t + j - k for j in path[k:]]
+        seen += [(b * t + i) * t + i for i in range(len(toks), t)]
+    mask = torch.zeros(len(trees) * t * t, dtype=torch.bool)
+    mask[torch.tensor(seen, dtype=torch.long)] = True
+    return (torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+            mask.view(len(trees), t, t))

@@ -27,7 +27,7 @@ from ..models.kv_cache import KVCache
 from ..models.packed import PackedFP16Linear
 from ..models.transformer import Transformer
 from ..sampling import target_probs
-from ..tree import DraftTree, validate_choices
+from ..tree import ChoicesFiller, DraftTree, pack_trees, validate_choices
 from .base import DraftRequest
 
 
@@ -180,34 +180,19 @@ class DraftModelDrafter:
         support) simply get fewer nodes; padded nodes attend only to themselves."""
         rows = torch.tensor([r.row for r in requests])
         base = self.cache.lengths[rows].clone()
-        states = [_TreeState({(): self._ranked(lg, r)}) for r, lg in zip(requests, root_logits)]
-        for depth in range(1, max(len(c) for c in self.choices) + 1):
-            level = [c for c in self.choices if len(c) == depth]
-            for st in states:
-                st.add_level(level)
-            expand = [c for c in level if any(len(d) == depth + 1 and d[:-1] == c for d in self.choices)]
-            if not expand:
+        fillers = [ChoicesFiller(self.choices) for _ in requests]
+        for f, r, lg in zip(fillers, requests, root_logits):
+            f.add_children((), *self._ranked(lg, r))
+        for depth in range(1, fillers[0].max_depth):
+            expand = [f.expandable(depth) for f in fillers]
+            if not any(expand):
                 break
-            logits = self._level_forward(states, rows, base)
-            for b, (st, r) in enumerate(zip(states, requests)):
-                for c in expand:
-                    if c in st.index:
-                        st.dist[c] = self._ranked(logits[b, st.index[c]], r)
-        return [st.tree(r.params.greedy) for st, r in zip(states, requests)]
-
-    def _level_forward(self, states: list["_TreeState"], rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        t = max(1, max(len(st.toks) for st in states))
-        tokens = torch.zeros(len(states), t, dtype=torch.long)
-        positions = base[:, None].repeat(1, t)
-        mask = torch.eye(t, dtype=torch.bool).repeat(len(states), 1, 1)
-        for b, st in enumerate(states):
-            n = len(st.toks)
-            if n:
-                partial = DraftTree(torch.tensor(st.toks), torch.tensor(st.pars))
-                tokens[b, :n] = partial.tokens
-                positions[b, :n] = base[b] + partial.depth - 1
-                mask[b, :n, :n] = partial.ancestor_mask()[1:, 1:]
-        return self._logits(tokens, positions, attn_mask=mask, rows=rows)
+            tokens, positions, mask = pack_trees([f.tree() for f in fillers], base)   # all nodes so far
+            logits = self._logits(tokens, positions, attn_mask=mask, rows=rows)
+            for b, (f, r) in enumerate(zip(fillers, requests)):
+                for path in expand[b]:
+                    f.add_children(path, *self._ranked(logits[b, f.index[path]], r))
+        return [f.tree(q=not r.params.greedy) for f, r in zip(fillers, requests)]
 
     def _ranked(self, logits: torch.Tensor, r: DraftRequest) -> tuple[list[int], list]:
         """Candidates by rank: top-k (greedy) or draws without replacement with their q."""
@@ -226,31 +211,6 @@ class DraftModelDrafter:
             q = q.clone()
             q[x] = 0.0
         return toks, qs
-
-
-class _TreeState:
-    """One row's static tree under construction: choices path -> node index, ranked candidates."""
-
-    def __init__(self, dist: dict):
-        self.dist = dist                    # path -> (tokens by rank, q by rank)
-        self.index: dict[tuple, int] = {(): -1}
-        self.toks: list[int] = []
-        self.pars: list[int] = []
-        self.qs: list = []
-
-    def add_level(self, level: list[tuple]) -> None:
-        for c in level:
-            cands = self.dist.get(c[:-1])
-            if cands is None or c[-1] >= len(cands[0]):
-                continue
-            self.index[c] = len(self.toks)
-            self.toks.append(cands[0][c[-1]])
-            self.pars.append(self.index[c[:-1]])
-            self.qs.append(cands[1][c[-1]])
-
-    def tree(self, greedy: bool) -> DraftTree:
-        q = None if greedy or not self.qs else torch.stack(self.qs)
-        return DraftTree(torch.tensor(self.toks, dtype=torch.long), torch.tensor(self.pars, dtype=torch.long), q)
 
 
 def with_vocab_head(model: Transformer, vocab: DraftVocab) -> Transformer:

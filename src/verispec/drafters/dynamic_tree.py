@@ -29,7 +29,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..tree import validate_choices
+from ..tree import ChoicesFiller, validate_choices
 
 
 # Default node budget of a draft tree (EAGLE-2 dynamic tree, Medusa tree), chosen from the measured
@@ -132,14 +132,12 @@ class _Nodes:
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.parents: list[int] = []
-        self.depth: list[int] = []
         self.logp: list[float] = []      # own draft log-prob given the parent
         self.score: list[float] = []     # path score: sum of logp from the root
 
     def add(self, parent: int, token: int, logp: float) -> int:
         self.tokens.append(token)
         self.parents.append(parent)
-        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
         self.logp.append(logp)
         self.score.append(logp + (self.score[parent] if parent >= 0 else 0.0))
         return len(self.tokens) - 1
@@ -204,38 +202,25 @@ class DynamicTreeBuilder:
 
 
 class StaticTreeBuilder:
-    """A choices tree filled with the ranked children of each expanded node."""
+    """A choices tree filled with the ranked children of each expanded node. ``nodes`` is its
+    ``ChoicesFiller`` (tokens, parents; payload: each node's own draft log-prob)."""
 
     def __init__(self, choices: tuple[tuple[int, ...], ...], root: Ranked, budget: int):
-        self.choices = [c for c in choices]
-        self.budget = budget
-        self.nodes = _Nodes()
-        self.index: dict[tuple[int, ...], int] = {(): -1}
-        self.width: dict[tuple[int, ...], int] = {}
-        for c in self.choices:
-            self.width[c[:-1]] = max(self.width.get(c[:-1], 0), c[-1] + 1)
+        self.nodes = ChoicesFiller(choices, budget)
         self._level = 0
-        self._fill((), root.logp.tolist(), root.ids.tolist())
+        self.nodes.add_children((), root.ids.tolist(), root.logp.tolist())
         self._frontier = self._next_frontier()
-
-    def _fill(self, path: tuple[int, ...], logp: list[float], ids: list[int]) -> None:
-        """Create the children of ``path`` that the choices name (rank order)."""
-        for c in self.choices:
-            if c[:-1] == path and c[-1] < len(ids) and len(self.nodes) < self.budget:
-                self.index[c] = self.nodes.add(self.index[path], ids[c[-1]], logp[c[-1]])
 
     def _next_frontier(self) -> list[tuple[int, ...]]:
         self._level += 1
-        if len(self.nodes) >= self.budget:
-            return []
-        return [p for p in self.index if len(p) == self._level and p in self.width]
+        return [] if self.nodes.full else self.nodes.expandable(self._level)
 
     def frontier(self) -> list[int]:
-        return [self.index[p] for p in self._frontier]
+        return [self.nodes.index[p] for p in self._frontier]
 
     def grow(self, ranked: Ranked) -> None:
         for path, lp, ids in zip(self._frontier, ranked.logp.tolist(), ranked.ids.tolist()):
-            self._fill(path, lp, ids)
+            self.nodes.add_children(path, ids, lp)
         self._frontier = self._next_frontier()
 
     def select(self) -> list[int]:

@@ -30,7 +30,7 @@ import torch
 from ..models.packed import follows_packed_target
 from ..shipped import with_shipped_head
 from ..spec_config import SpecConfigError, TreeHeadConfig
-from ..tree import DraftTree
+from ..tree import DraftTree, pack_trees
 from .base import DraftRequest, TargetFeatures
 from .dynamic_tree import DynamicTreeConfig, RankBy, Ranked, StaticTreeConfig, TreeBuilder, TreeConfig, rank
 from .eagle_head import EagleHead, HeadKind
@@ -139,48 +139,45 @@ class EagleDrafter:
     # -- 2) grow the trees level by level ---------------------------------------------------
     def _grow(self, requests: list[DraftRequest], builders: list[TreeBuilder | None],
               root_hidden: torch.Tensor) -> None:
+        """One head forward per level over every row's frontier nodes (T = the widest frontier).
+        Each level takes T scratch slots per row, after the slots of the earlier levels."""
         rows = torch.tensor([r.row for r in requests])
-        lengths = self.cache.lengths[rows].tolist()
-        slot: list[dict[int, int]] = [{} for _ in requests]          # node -> scratch index
-        state: list[dict[int, torch.Tensor]] = [{-1: root_hidden[i]} for i in range(len(requests))]
-        scratch = 0
+        lengths = self.cache.lengths[rows]
+        scratches = [_Scratch(root_hidden[i]) for i in range(len(requests))]
         while True:
             fronts = [b.frontier() if b is not None else [] for b in builders]
             t = max(len(f) for f in fronts)
             if t == 0:
                 return
-            tokens, positions, hidden, local = self._level_inputs(builders, fronts, lengths, slot, state, scratch, t)
+            scratch = len(scratches[0])
+            tokens, positions, hidden, local = self._level_inputs(builders, fronts, scratches, lengths, t)
             out = self.head(tokens, positions, hidden, self.cache, rows=rows, scratch=scratch, local_mask=local)
             ranked = rank(out.logits, self.tree.width)
             for i, (b, f) in enumerate(zip(builders, fronts)):
                 for j, node in enumerate(f):
-                    slot[i][node] = scratch + j
-                    state[i][node] = out.hidden[i, j]
+                    scratches[i].state[node] = out.hidden[i, j]
                 if f:
                     b.grow(Ranked(ranked.logp[i, :len(f)], ranked.ids[i, :len(f)]))
-            scratch += t
 
-    def _level_inputs(self, builders, fronts, lengths, slot, state, scratch: int, t: int):
-        """Tokens, positions, input states and the local mask of one level's nodes (padded)."""
-        b = len(fronts)
-        tokens = torch.zeros(b, t, dtype=torch.long)
-        positions = torch.tensor(lengths)[:, None].repeat(1, t)
-        hidden = torch.zeros(b, t, self.head.cfg.hidden_size, dtype=self.head.embed_tokens.dtype)
-        local = torch.zeros(b, t, scratch + t, dtype=torch.bool)
-        local[:, torch.arange(t), scratch + torch.arange(t)] = True
-        for i, f in enumerate(fronts):
-            if not f:
-                continue
-            nodes = builders[i].nodes
-            tokens[i, :len(f)] = self.head.draft_to_target(torch.tensor([nodes.tokens[n] for n in f]))
-            for j, node in enumerate(f):
-                positions[i, j] = lengths[i] + nodes.depth[node] - 1
-                hidden[i, j] = state[i][nodes.parents[node]]
-                a = nodes.parents[node]
-                while a >= 0:
-                    local[i, j, slot[i][a]] = True
-                    a = nodes.parents[a]
-        return tokens, positions, hidden, local
+    def _level_inputs(self, builders, fronts: list[list[int]], scratches: list["_Scratch"],
+                      lengths: torch.Tensor, t: int):
+        """One level's inputs, row i's frontier nodes first, then padding up to ``t``:
+        tokens [B, t] (target ids), positions [B, t] (``lengths[i] + depth - 1``), input states
+        hidden [B, t, h] (each node's parent's output) and local_mask [B, t, scratch + t] over
+        the row's scratch slots (a node sees itself and its ancestors' slots; padding itself)."""
+        hidden = torch.zeros(len(fronts), t, self.head.cfg.hidden_size, dtype=self.head.embed_tokens.dtype)
+        scratch = len(scratches[0])
+        for i, (f, sc) in enumerate(zip(fronts, scratches)):
+            parents, toks = [], []
+            if f:
+                nodes = builders[i].nodes
+                parents = [nodes.parents[n] for n in f]
+                toks = self.head.draft_to_target(torch.tensor([nodes.tokens[n] for n in f])).tolist()
+            for j, parent in enumerate(parents):
+                hidden[i, j] = sc.state[parent]
+            sc.add_level(f, parents, toks, t)
+        tokens, positions, mask = pack_trees([sc.tree() for sc in scratches], lengths)
+        return tokens[:, scratch:], positions[:, scratch:], hidden, mask[:, scratch:]
 
     def _to_tree(self, builder: TreeBuilder | None) -> DraftTree:
         if builder is None:
@@ -194,6 +191,34 @@ class EagleDrafter:
         parents = torch.tensor([new[nodes.parents[n]] if nodes.parents[n] >= 0 else -1 for n in keep],
                                dtype=torch.long)
         return DraftTree(toks, parents)
+
+
+class _Scratch:
+    """One row's head scratch slots during ``_grow`` as a tree over slots: slot s holds a node's
+    (parent state, token) pair, a padding slot token 0 below the root."""
+
+    def __init__(self, root_state: torch.Tensor):
+        self.tokens: list[int] = []               # target token of each slot
+        self.parents: list[int] = []              # parent slot of each slot (-1: the root)
+        self.slot: dict[int, int] = {-1: -1}      # builder node -> slot
+        self.state: dict[int, torch.Tensor] = {-1: root_state}    # builder node -> head output
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add_level(self, nodes: list[int], parents: list[int], tokens: list[int], t: int) -> None:
+        """Slots for one level: ``nodes`` (builder ids, their builder ``parents`` and target
+        ``tokens``), then padding up to ``t`` slots."""
+        for node, parent, tok in zip(nodes, parents, tokens):
+            self.slot[node] = len(self.tokens)
+            self.tokens.append(tok)
+            self.parents.append(self.slot[parent])
+        pad = t - len(nodes)
+        self.tokens += [0] * pad
+        self.parents += [-1] * pad
+
+    def tree(self) -> DraftTree:
+        return DraftTree(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents, dtype=torch.long))
 
 
 # -- configuration -----------------------------------------------------------------------------
