@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 DEFAULT_PROMPTS = ["Explain in two sentences why the sky is blue.", "Write a haiku about a lighthouse.",
