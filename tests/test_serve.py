@@ -458,6 +458,30 @@ def test_speculative_server_counts_drafts(guarded, llm):
     assert final["verispec:generation_tokens_total"] == after["verispec:generation_tokens_total"]
 
 
+def test_per_request_speculative_stats_and_mean_acceptance_gauge(guarded):
+    """``speculative_stats: true`` adds each choice's drafts, accepted tokens per position and mean
+    acceptance length (whole: in the choice; streamed: in its finishing chunk); /metrics has the
+    server-wide mean acceptance length, consistent with the counters."""
+    body = {"model": MODEL, "prompt": "Say it twice: red green blue. red green blue. red green", "max_tokens": 12,
+            "temperature": 0, "speculative_stats": True}
+    st = guarded.post("/v1/completions", body).json()["choices"][0]["speculative_stats"]
+    assert st["num_drafts"] > 0 and 0 < st["num_accepted_tokens"] <= st["num_draft_tokens"]
+    assert st["mean_acceptance_length"] == pytest.approx(1 + st["num_accepted_tokens"] / st["num_drafts"], abs=1e-3)
+    assert st["accepted_per_pos"] == sorted(st["accepted_per_pos"], reverse=True)
+    assert sum(st["accepted_per_pos"]) == st["num_accepted_tokens"] and st["lossy"] is False
+    plain = guarded.post("/v1/completions", dict(body, speculative_stats=False, max_tokens=3)).json()
+    assert "speculative_stats" not in plain["choices"][0]
+    with guarded.http.stream("POST", "/v1/completions", json=dict(body, stream=True, max_tokens=10,
+                                                                  prompt="a b c a b c a b c a"),
+                             headers=guarded.headers) as r:
+        chunks = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data: {")]
+    with_stats = [c for c in chunks if "speculative_stats" in c["choices"][0]]
+    assert len(with_stats) == 1 and with_stats[0]["choices"][0]["finish_reason"] is not None
+    m = guarded.metrics()
+    drafts, accepted = m["verispec:spec_decode_num_drafts_total"], m["verispec:spec_decode_num_accepted_tokens_total"]
+    assert m["verispec:spec_decode_mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+
+
 # ---------------------------------------------------------------------------- hostile requests
 _C, _CH = "/v1/completions", "/v1/chat/completions"
 _OK_C = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}

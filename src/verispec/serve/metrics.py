@@ -48,6 +48,10 @@ class ServerMetrics:
         self.accepted_per_pos = Counter("verispec:spec_decode_num_accepted_tokens_per_pos",
                                         "Drafted steps whose accepted path reached this depth.",
                                         ["position"], registry=r)
+        self.mean_acceptance_length = Gauge(
+            "verispec:spec_decode_mean_acceptance_length",
+            "Tokens emitted per drafted verification step since the server started, bonus token "
+            "included (1 when nothing was drafted).", registry=r)
         self.draft_budget = Gauge("verispec:spec_decode_draft_budget",
                                   "Draft tree nodes allowed per sequence by the speculation policy "
                                   "in the last step (0: speculation off).", registry=r)
@@ -77,6 +81,8 @@ class ServerMetrics:
             self.finished.labels(finished_reason=reason)
         self._lock = threading.Lock()
         self._seen = SpecStats()
+        self._drafts = self._accepted = 0          # since the server started, over every engine
+        self.mean_acceptance_length.set(1.0)
 
     def observe_spec(self, stats: SpecStats) -> None:
         """Add what ``stats`` (cumulative engine counters) gained since the previous call."""
@@ -91,6 +97,9 @@ class ServerMetrics:
                 old = seen.accepted_per_pos[i] if i < len(seen.accepted_per_pos) else 0
                 if n > old:
                     self.accepted_per_pos.labels(position=str(i + 1)).inc(n - old)
+            self._drafts += stats.num_drafts - seen.num_drafts
+            self._accepted += stats.num_accepted_tokens - seen.num_accepted_tokens
+            self.mean_acceptance_length.set(1.0 + self._accepted / self._drafts if self._drafts else 1.0)
             self._seen = SpecStats(num_steps=stats.num_steps, num_drafts=stats.num_drafts,
                                    num_draft_tokens=stats.num_draft_tokens,
                                    num_accepted_tokens=stats.num_accepted_tokens,

@@ -88,7 +88,7 @@ class RequestPipeline:
                 items.append((ids, p.for_choice(j)))
                 echoes.append((text, ids) if echo else None)
         choices = make_choices(self._submit(items), [p for _, p in items], shape.chat,           # 4)
-                               self.token_texts.get, echoes, score_only)
+                               self.token_texts.get, echoes, score_only, req.speculative_stats)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         n_prompt = sum(len(ids) for _, ids in prompts)
         return await respond(request, choices, shape, n_prompt, req.stream, include_usage)      # 5)

@@ -66,6 +66,7 @@ class _Common(BaseModel):
     include_stop_str_in_output: StrictBool = False                                   # vLLM's extra
     allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
     logit_bias: dict[str, Annotated[Float, Field(ge=-100.0, le=100.0)]] | None = None
+    speculative_stats: StrictBool = False      # each choice reports its speculative-decoding stats
 
     def bias(self) -> dict[int, float] | None:
         """``logit_bias`` with integer token ids (the vocabulary is checked by

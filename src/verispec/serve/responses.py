@@ -11,6 +11,9 @@ Contract
   ``role`` chunk. ``stream_options.include_usage``: every chunk has ``usage: null`` and a last
   chunk with no choices carries the totals. Then ``data: [DONE]``.
 - Logprobs (when asked) go with the chunk that sends the text of their tokens.
+- ``speculative_stats: true``: each choice (whole response) or each choice's finishing chunk
+  (stream) carries that request's drafts, accepted tokens per position and mean acceptance
+  length (bonus token included). A cached answer reports the stats of the run it replays.
 - An error after the stream started is sent as ``data: {"error": ...}``, then ``[DONE]``.
 - A client that goes away (while waiting or mid-stream) cancels every choice's request.
 """
@@ -135,6 +138,8 @@ class Choice:
     reason: str | None = None
     output_text: str = ""
     output_tokens: int = 0
+    want_stats: bool = False                          # the request asked for ``speculative_stats``
+    stats: dict | None = None                         # the finished event's, when asked
 
     @property
     def text(self) -> str:
@@ -160,6 +165,7 @@ class Choice:
             self.pending.extend(ev.logprobs or [])
         if ev.finished:
             self.reason = "length" if self.score_only else (ev.finish_reason or "stop")
+            self.stats = ev.spec_stats if self.want_stats else None
         return "" if self.score_only else ev.text
 
     def push(self, ev: TokenEvent) -> tuple[str, dict | None] | None:
@@ -187,11 +193,19 @@ class Choice:
 
 def make_choices(streams: list[AsyncIterator[TokenEvent]], params: list[SamplingParams], chat: bool,
                  token_texts: Callable, echo: list[tuple[str, list[int]] | None] | None = None,
-                 score_only: bool = False) -> list[Choice]:
+                 score_only: bool = False, want_stats: bool = False) -> list[Choice]:
     """One ``Choice`` per stream, indexed in order; ``params`` / ``echo`` per stream."""
     echo = echo or [None] * len(streams)
-    return [Choice(i, ev, LogprobFormatter(chat, token_texts) if p.logprobs is not None else None, e, score_only)
+    return [Choice(i, ev, LogprobFormatter(chat, token_texts) if p.logprobs is not None else None, e, score_only,
+                   want_stats=want_stats)
             for i, (ev, p, e) in enumerate(zip(streams, params, echo))]
+
+
+def _with_stats(choice: dict, c: Choice) -> dict:
+    """``choice`` with ``speculative_stats`` once ``c`` finished, when its request asked."""
+    if c.stats is not None:
+        choice["speculative_stats"] = c.stats
+    return choice
 
 
 async def respond(request: Request, choices: list[Choice], shape: Shape, n_prompt: int,
@@ -212,7 +226,7 @@ async def respond(request: Request, choices: list[Choice], shape: Shape, n_promp
         body = []
         for c in choices:
             logprobs = await asyncio.to_thread(c.lp.format, c.pending) if c.lp else None
-            body.append(shape.choice(c.index, c.text, c.reason or "stop", logprobs))
+            body.append(_with_stats(shape.choice(c.index, c.text, c.reason or "stop", logprobs), c))
         return JSONResponse(shape.full(body, usage(n_prompt, sum(c.num_tokens for c in choices))))
     async def first_events() -> list[TokenEvent]:
         got = await asyncio.gather(*(c.events.__anext__() for c in choices), return_exceptions=True)
@@ -282,8 +296,10 @@ async def _sse_body(choices: list[Choice], firsts: list[TokenEvent], shape: Shap
             async for c, ev in events:
                 out = c.push(ev)
                 if out is not None:
-                    yield sse(shape.chunk(c.index, out[0], c.reason if ev.finished else None, usage_field,
-                                          logprobs=out[1]))
+                    chunk = shape.chunk(c.index, out[0], c.reason if ev.finished else None, usage_field,
+                                        logprobs=out[1])
+                    _with_stats(chunk["choices"][0], c)
+                    yield sse(chunk)
             if include_usage:
                 yield sse(shape.usage_chunk(usage(n_prompt, sum(c.num_tokens for c in choices))))
         except RequestFailed as e:

@@ -66,6 +66,7 @@ class TokenEvent:
     logprobs: list[TokenLogprob] | None = None     # one per token id, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None   # first event only, when the request asked
     text: str = ""                                 # new text of the output (``IncrementalDetokenizer.delta``)
+    spec_stats: dict | None = None                 # finished event: the request's speculative stats
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,17 @@ class ErrorEvent:
     status: int
     message: str
     type: str
+
+
+def spec_stats(stats) -> dict:
+    """A request's speculative-decoding stats as responses report them (``SpecStats``; the mean
+    acceptance length includes the bonus token)."""
+    return {"num_steps": stats.num_steps, "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
+            "accepted_per_pos": list(stats.accepted_per_pos),
+            "acceptance_rate_per_pos": [round(x, 4) for x in stats.acceptance_rate_per_pos],
+            "acceptance": stats.acceptance, "lossy": stats.lossy}
 
 
 class RequestFailed(Exception):
@@ -347,8 +359,8 @@ class Scheduler:
         if seq.finished:
             req.detok.finish()
             self._active.pop(seq.seq_id, None)
-            self._finish(req, TokenEvent(list(new), True, seq.finish_reason, lps, plps, req.detok.delta()),
-                         seq.finish_reason or "stop")
+            self._finish(req, TokenEvent(list(new), True, seq.finish_reason, lps, plps, req.detok.delta(),
+                                         spec_stats(seq.stats)), seq.finish_reason or "stop")
         else:
             self._put(req, TokenEvent(list(new), False, None, lps, plps, req.detok.delta()))
 
