@@ -696,6 +696,35 @@ def test_medusa_typical_acceptance_through_http_is_applied_and_reported(llm):
         assert 'verispec:spec_decode_lossy_acceptance{rule="lossless"} 0.0' in httpx.get(srv.url + "/metrics").text
 
 
+def test_life_of_a_head_trained_exported_served_decoded(llm, tmp_path):
+    """A tiny EAGLE-3 head is trained (verispec train), exported in vLLM's layout (verispec
+    export), served over HTTP from the exported folder, and decodes through the real openai
+    client with the same greedy output as vanilla decoding."""
+    from verispec.cli import main
+    convs = [{"id": f"t{i}", "conversations": [{"role": "user", "content": f"Count from {i} to {i + 5}."},
+                                              {"role": "assistant", "content": ", ".join(str(k) for k in range(i, i + 6))}]}
+             for i in range(4)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    assert main(["train", "eagle3", "--data", str(data), "--out", str(tmp_path / "run"), "--max-steps", "2",
+                 "--batch-size", "2", "--heldout-fraction", "0", "--max-length", "64", "--draft-vocab-size", "512",
+                 "--quiet", "--ttt-length", "2"]) == 0
+    exported = tmp_path / "vllm-head"
+    assert main(["export", str(tmp_path / "run" / "checkpoint"), str(exported), "--format", "vllm"]) == 0
+    cfg = json.loads((exported / "config.json").read_text())
+    assert "eagle_aux_hidden_state_layer_ids" in cfg                      # vLLM's layout, not ours
+    served = LLM(loaded=llm.target, speculative_config={"method": "eagle3", "model": str(exported)})
+    messages = [{"role": "user", "content": "Count from 3 to 9."}]
+    want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20))[0]
+    with InProcessServer(served, max_num_seqs=2) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                           extra_body={"speculative_stats": True})
+        assert r.choices[0].message.content == want.text
+        assert r.model_extra["verispec"]["acceptance"] == "lossless"
+        assert r.choices[0].model_extra["speculative_stats"]["num_drafts"] > 0     # the head really drafted
+
+
 def test_request_timeout_and_queue_full(llm):
     with InProcessServer(llm, max_num_seqs=1, max_queue=1, request_timeout=0.5) as srv:
         r = srv.post({"prompt": "Once upon a time", "max_tokens": 200})
