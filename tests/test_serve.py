@@ -824,18 +824,29 @@ def test_policy_engine_output_equals_plain_decoding(llm):
 
 
 # ---------------------------------------------------------------------------- shutdown (last)
-def test_graceful_shutdown_finishes_the_running_stream(plain):
-    body = {"model": MODEL, "prompt": "List the days of the week:", "max_tokens": 24, "temperature": 0,
-            "stream": True}
+def test_graceful_drain_on_sigterm(plain):
+    """SIGTERM (a real signal to the real process) mid-stream: readiness turns false at once, a
+    new request gets 503 with Retry-After, the running stream finishes, the process exits 0."""
+    body = {"model": MODEL, "prompt": "List the days of the week:", "max_tokens": 48, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    assert plain.http.get("/ready").status_code == 200
     with httpx.stream("POST", plain.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data:"))
         assert json.loads(first[5:])["choices"][0]["finish_reason"] is None
         plain.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while plain.http.get("/ready").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ready = plain.http.get("/ready")
+        assert ready.status_code == 503 and "draining" in ready.json()["error"]["message"]
+        assert plain.http.get("/health").json() == {"status": "draining"}          # alive all the same
+        late = plain.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert late.status_code == 503 and int(late.headers["retry-after"]) >= 1
+        assert late.json()["error"]["type"] == "service_unavailable"
         rest = [line for line in lines if line.startswith("data:")]
     assert rest[-1] == "data: [DONE]"
     assert json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "length"
-    # uvicorn re-raises the signal it handled once it has shut down cleanly
-    assert plain.proc.wait(40) in (0, -signal.SIGTERM)
+    assert plain.proc.wait(40) == 0
     log = plain.output()
     assert "Traceback" not in log

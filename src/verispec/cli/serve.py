@@ -127,9 +127,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
                       max_queue=args.max_queue, request_timeout=args.request_timeout,
                       response_cache=args.response_cache, policy=policy, shutdown_grace_s=args.shutdown_grace)
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, cfg), host=args.host, port=args.port,
-                                           log_level=args.log_level, timeout_graceful_shutdown=int(args.shutdown_grace) + 1,
-                                           access_log=args.log_level == "debug"))
+    from ..serve.drain import DrainingServer
+    app = create_app(llm, cfg)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=int(args.shutdown_grace) + 1,
+                                           access_log=args.log_level == "debug"), app.state.server, args.shutdown_grace)
     logging.getLogger("verispec.serve").info(
         "serving %s on http://%s:%d (max_num_seqs=%d, max_model_len=%d, speculation=%s, policy=%s)",
         args.model, args.host, args.port, args.max_num_seqs, llm.max_model_len,

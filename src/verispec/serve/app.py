@@ -2,8 +2,9 @@
 
 ``create_app(llm, config)`` returns a FastAPI app with ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON or server-sent events ending with ``data: [DONE]``),
-``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (never needs the API key), ``GET /metrics`` and vLLM's
-``POST /tokenize`` / ``POST /detokenize``.
+``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (liveness) and ``GET /ready``
+(readiness; neither needs the API key), ``GET /metrics`` and vLLM's ``POST /tokenize`` /
+``POST /detokenize``. ``drain.DrainingServer`` runs it with a graceful drain on SIGTERM.
 
 Contract
 - Request bodies are validated by the pydantic models of ``protocol``; unknown fields are ignored (as
@@ -80,7 +81,7 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.api_key is not None and scope["path"] != "/health":
+        if self.api_key is not None and scope["path"] not in ("/health", "/ready"):
             why = self._auth_problem(dict(scope["headers"]).get(b"authorization", b""))
             if why:
                 return await self._reject(scope, receive, send, 401, why, "invalid_api_key")
@@ -206,9 +207,18 @@ def _install_info_routes(app: FastAPI, pipe: RequestPipeline, metrics: ServerMet
 
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: the scheduler thread runs (also while draining)."""
         if not pipe.alive:
             return error_response(503, "the scheduler is not running", "service_unavailable")
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "draining" if pipe.draining else "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: alive and taking new requests (false at once when a drain begins)."""
+        if not pipe.alive or pipe.draining:
+            return error_response(503, "the server is draining" if pipe.draining else "the scheduler is not running",
+                                  "service_unavailable")
+        return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
@@ -230,7 +240,7 @@ def _install_error_handlers(app: FastAPI, count_error: Callable[[int], None]) ->
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
         count_error(exc.status)
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -12,9 +12,10 @@ from fastapi.responses import JSONResponse
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
@@ -22,5 +23,5 @@ def error_body(message: str, type_: str, param: str | None = None, code: Any = N
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   param: str | None = None, code: Any = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+                   param: str | None = None, code: Any = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)

@@ -45,6 +45,16 @@ class RequestPipeline:
         self.token_texts = TokenTexts(llm.tokenizer, self.tok_lock)
         self.names = {cfg.model_name, llm.target.name, str(llm.target.path)}
         self.acceptance = {"acceptance": llm.acceptance.name, "lossy": llm.acceptance.lossy}
+        self.draining = False
+
+    def begin_drain(self) -> None:
+        """From now on new requests get 503 with Retry-After; running ones go on (``drain``)."""
+        self.draining = True
+
+    @property
+    def busy(self) -> bool:
+        """Requests queued or decoding."""
+        return self.scheduler is not None and self.scheduler.num_in_flight > 0
 
     def start(self) -> None:
         self.scheduler = Scheduler(self.llm, max_num_seqs=self.cfg.max_num_seqs,
@@ -103,6 +113,9 @@ class RequestPipeline:
             out[i] = self.cache.replay(key)
             if out[i] is None:
                 todo.append((i, key))
+        if todo and self.draining:
+            raise APIError(503, "the server is draining (shutting down); retry on another replica",
+                           "service_unavailable", headers={"Retry-After": str(max(1, round(self.cfg.shutdown_grace_s)))})
         if todo and self.scheduler is None:
             raise APIError(503, "the server is not running", "service_unavailable")
         try:

@@ -153,6 +153,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests queued or decoding."""
+        return len(self._waiting) + len(self._active)
+
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
         """Queue a validated request; call from the event loop that will read its events."""
         return self.submit_group([(prompt_ids, params)])[0]
