@@ -725,6 +725,48 @@ def test_life_of_a_head_trained_exported_served_decoded(llm, tmp_path):
         assert r.choices[0].model_extra["speculative_stats"]["num_drafts"] > 0     # the head really drafted
 
 
+def test_prompt_denylist_and_audit_log(llm, tmp_path):
+    """Denied prompts and chat messages get 400 prompt_denied (counted); every API request, the
+    guard's rejections too, leaves one JSON audit line with a key hash and token counts, and the
+    prompt text only when asked."""
+    import hashlib
+    from verispec.serve.security import PromptDenylist
+    deny = PromptDenylist(["# no secrets", r"(?i)password\s*=", "", "forbidden"])
+    log = tmp_path / "audit.jsonl"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with InProcessServer(llm, max_num_seqs=1, api_key=KEY, prompt_denylist=deny, audit_log=str(log)) as srv:
+        ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "The sky is", "max_tokens": 3}, headers=auth).json()
+        bad = httpx.post(srv.url + "/v1/completions", json={"prompt": "my Password = 123", "max_tokens": 3},
+                         headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "prompt_denied"
+        assert "pattern 2" in bad.json()["error"]["message"]
+        chat = httpx.post(srv.url + "/v1/chat/completions", headers=auth, json={
+            "messages": [{"role": "system", "content": "fine"}, {"role": "user", "content": "say forbidden"}]})
+        assert chat.status_code == 400 and "pattern 4" in chat.json()["error"]["message"]
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+        with httpx.stream("POST", srv.url + "/v1/completions", headers=auth,
+                          json={"prompt": "Hello", "max_tokens": 4, "stream": True, "ignore_eos": True}) as r:
+            assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+        httpx.get(srv.url + "/health")
+        metrics = httpx.get(srv.url + "/metrics", headers=auth).text
+        assert "verispec:prompt_denied_total 2.0" in metrics
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["path"], r["status"]) for r in recs] == [("/v1/completions", 200), ("/v1/completions", 400),
+                                                         ("/v1/chat/completions", 400), ("/v1/completions", 401),
+                                                         ("/v1/completions", 200)]
+    h = hashlib.sha256(KEY.encode()).hexdigest()[:16]
+    assert [r["api_key_sha256"] for r in recs] == [h, h, h, None, h]
+    assert recs[0]["completion_tokens"] == ok["usage"]["completion_tokens"] and recs[0]["prompt_tokens"] == 3
+    assert recs[4]["completion_tokens"] == 4 and all(r["latency_s"] >= 0 for r in recs)
+    assert all("prompt" not in r for r in recs) and KEY not in log.read_text()
+    log2 = tmp_path / "audit2.jsonl"
+    with InProcessServer(llm, max_num_seqs=1, audit_log=str(log2), audit_log_prompts=True) as srv:
+        srv.post({"prompt": "The sky is", "max_tokens": 2})
+    assert json.loads(log2.read_text().splitlines()[0])["prompt"] == "The sky is"
+    with pytest.raises(ValueError, match="line 1: not a regular expression"):
+        PromptDenylist(["(unclosed"])
+
+
 def test_request_timeout_and_queue_full(llm):
     with InProcessServer(llm, max_num_seqs=1, max_queue=1, request_timeout=0.5) as srv:
         r = srv.post({"prompt": "Once upon a time", "max_tokens": 200})

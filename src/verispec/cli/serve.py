@@ -70,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
     p.add_argument("--shutdown-grace", type=_positive_float, default=10.0, metavar="SECONDS",
                    help="on shutdown, time given to running requests to finish (default: 10)")
+    p.add_argument("--prompt-denylist", default=None, metavar="FILE",
+                   help="regular expressions, one per line (# comments): a prompt or chat message matching "
+                        "one is refused with 400 prompt_denied (counted in /metrics)")
+    p.add_argument("--audit-log", default=None, metavar="FILE",
+                   help="append one JSON line per request: id, path, API-key hash, status, token counts, latency")
+    p.add_argument("--audit-log-prompts", action="store_true", help="also write the prompt text to the audit log")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -118,6 +124,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"verispec serve: bad speculation settings: {e}", file=sys.stderr)
         return 2
     try:
+        from ..serve.security import PromptDenylist
+        denylist = PromptDenylist.from_file(args.prompt_denylist) if args.prompt_denylist else None
+    except ValueError as e:
+        print(f"verispec serve: {e}", file=sys.stderr)
+        return 2
+    try:
         llm = LLM(args.model, dtype=args.dtype, weights=args.weights, speculative_config=spec, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, num_threads=args.num_threads)
     except Exception as e:          # noqa: BLE001 - any loading failure ends the command
@@ -126,7 +138,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(model_name=args.model, max_num_seqs=args.max_num_seqs, max_model_len=llm.max_model_len,
                       max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
                       max_queue=args.max_queue, request_timeout=args.request_timeout,
-                      response_cache=args.response_cache, policy=policy, shutdown_grace_s=args.shutdown_grace)
+                      response_cache=args.response_cache, policy=policy, shutdown_grace_s=args.shutdown_grace,
+                      prompt_denylist=denylist, audit_log=args.audit_log, audit_log_prompts=args.audit_log_prompts)
     from ..serve.drain import DrainingServer
     app = create_app(llm, cfg)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

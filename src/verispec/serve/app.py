@@ -50,6 +50,7 @@ from .policy import SpecPolicy
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import ClientGone
 from .scheduler import RequestFailed
+from .security import AuditLogMiddleware, PromptDenylist
 
 # ---------------------------------------------------------------------------- configuration
 @dataclass
@@ -64,6 +65,9 @@ class ServeConfig:
     response_cache: int = 0
     policy: SpecPolicy | None = None
     shutdown_grace_s: float = 10.0
+    prompt_denylist: PromptDenylist | None = None   # prompts matching a pattern are refused (400)
+    audit_log: str | None = None                    # JSONL file: one line per request
+    audit_log_prompts: bool = False                 # ... with the prompt text
 
     @property
     def max_body_bytes(self) -> int:
@@ -178,6 +182,8 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
     count_error = lambda status: metrics.http_errors.labels(status=str(status)).inc()  # noqa: E731
     app.add_middleware(GuardMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                        on_error=count_error)
+    if cfg.audit_log:                      # outermost: requests the guard rejects are logged too
+        app.add_middleware(AuditLogMiddleware, path=cfg.audit_log, include_prompts=cfg.audit_log_prompts)
     _install_error_handlers(app, count_error)
     _install_info_routes(app, pipe, metrics, {"id": cfg.model_name, "object": "model", "created": created,
                                               "owned_by": "verispec", "root": str(llm.target.path),

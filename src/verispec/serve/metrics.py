@@ -73,6 +73,8 @@ class ServerMetrics:
                                    ["status"], registry=r)
         self.cache_hits = Counter("verispec:response_cache_hits",
                                   "Requests answered from the response cache.", registry=r)
+        self.prompt_denied = Counter("verispec:prompt_denied", "Requests refused by the prompt denylist.",
+                                     registry=r)
         self.lossy_acceptance = Gauge("verispec:spec_decode_lossy_acceptance",
                                       "1 when the acceptance rule is lossy (outputs do not follow the "
                                       "target distribution), else 0; the rule's name is the label.",

@@ -71,6 +71,7 @@ class RequestPipeline:
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         self.check_model(body.model)
         prompts = await self._completion_prompts(body.prompt)                                   # 1)
+        self._screen(request, [text for text, _ in prompts])
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         params = [self._params(body, len(ids), max(max_tokens, 1), "prompt") for _, ids in prompts]   # 2)
         if body.echo and body.logprobs is not None:
@@ -81,6 +82,7 @@ class RequestPipeline:
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self.check_model(body.model)
+        self._screen(request, [m.text() for m in body.messages])
         ids = await self._chat_prompt(body.messages)                                            # 1)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self._params(body, len(ids), max_tokens, "messages")                           # 2)
@@ -129,6 +131,16 @@ class RequestPipeline:
         return out
 
     # -- 1) and 2): prompts and params -----------------------------------------------------
+    def _screen(self, request: Request, texts: list[str]) -> None:
+        """The prompt denylist (400 on a match); the prompt text left for the audit log."""
+        request.state.prompt = texts[0] if len(texts) == 1 else texts
+        deny = self.cfg.prompt_denylist
+        line = deny.match(texts) if deny is not None else None
+        if line is not None:
+            self.metrics.prompt_denied.inc()
+            raise APIError(400, f"the prompt matches pattern {line} of this server's prompt denylist",
+                           param="prompt", code="prompt_denied")
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "

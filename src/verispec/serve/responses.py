@@ -211,7 +211,8 @@ def _with_stats(choice: dict, c: Choice) -> dict:
 async def respond(request: Request, choices: list[Choice], shape: Shape, n_prompt: int,
                   stream: bool, include_usage: bool) -> Response:
     """The whole response, or an SSE stream once every choice has its first event (so an error
-    before any token still gets its HTTP status). ``n_prompt``: prompt tokens for ``usage``."""
+    before any token still gets its HTTP status). ``n_prompt``: prompt tokens for ``usage``,
+    which is also left in ``request.state.usage`` (for the audit log) when the response ends."""
     if not stream:
         async def collect_all() -> None:
             results = await asyncio.gather(*(c.collect() for c in choices), return_exceptions=True)
@@ -227,7 +228,8 @@ async def respond(request: Request, choices: list[Choice], shape: Shape, n_promp
         for c in choices:
             logprobs = await asyncio.to_thread(c.lp.format, c.pending) if c.lp else None
             body.append(_with_stats(shape.choice(c.index, c.text, c.reason or "stop", logprobs), c))
-        return JSONResponse(shape.full(body, usage(n_prompt, sum(c.num_tokens for c in choices))))
+        request.state.usage = usage(n_prompt, sum(c.num_tokens for c in choices))
+        return JSONResponse(shape.full(body, request.state.usage))
     async def first_events() -> list[TokenEvent]:
         got = await asyncio.gather(*(c.events.__anext__() for c in choices), return_exceptions=True)
         bad = next((g for g in got if isinstance(g, BaseException)), None)
@@ -239,7 +241,8 @@ async def respond(request: Request, choices: list[Choice], shape: Shape, n_promp
     except BaseException:
         await _close_all(choices)
         raise
-    return SSEResponse(_sse_body(choices, firsts, shape, n_prompt, include_usage), media_type="text/event-stream",
+    return SSEResponse(_sse_body(choices, firsts, shape, n_prompt, include_usage, request.state),
+                       media_type="text/event-stream",
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -282,7 +285,7 @@ async def _close_all(choices: list[Choice]) -> None:
 
 
 async def _sse_body(choices: list[Choice], firsts: list[TokenEvent], shape: Shape, n_prompt: int,
-                    include_usage: bool) -> AsyncIterator[str]:
+                    include_usage: bool, state) -> AsyncIterator[str]:
     usage_field: Any = None if include_usage else False
     events = _merged(choices, firsts)
     async with contextlib.aclosing(events):
@@ -304,4 +307,6 @@ async def _sse_body(choices: list[Choice], firsts: list[TokenEvent], shape: Shap
                 yield sse(shape.usage_chunk(usage(n_prompt, sum(c.num_tokens for c in choices))))
         except RequestFailed as e:
             yield sse(error_body(e.event.message, e.event.type, None, e.event.status))
+        finally:
+            state.usage = usage(n_prompt, sum(c.num_tokens for c in choices))
         yield sse("[DONE]")
