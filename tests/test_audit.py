@@ -32,6 +32,16 @@ def test_audit_passes_on_a_shipped_drafter(target, prompts):
     assert "PASS" in rep.render() and json.dumps(rep.as_dict())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [{"method": "eagle"}, {"method": "medusa"}, {"method": "ngram"},
+                                  {"method": "draft_model", "model": "self", "self_draft_layers": 8,
+                                   "num_speculative_tokens": 3}], ids=lambda s: s["method"])
+def test_audit_passes_on_every_shipped_drafter(target, prompts, spec):
+    llm = LLM(loaded=target, speculative_config=spec, max_num_seqs=64)
+    rep = audit(llm, prompts, SamplingParams(temperature=1.0, top_p=0.95), max_tokens=12, samples=600, depth=2)
+    assert rep.passed and rep.sampled[0].informative, rep.render()
+
+
 def test_audit_fails_on_a_broken_verifier(target, prompts):
     llm = LLM(loaded=target, speculative_config=EAGLE3, max_num_seqs=64)
     llm.acceptance = BrokenAcceptance()          # accepts every first child: sampled output is biased
