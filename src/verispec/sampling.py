@@ -1,17 +1,15 @@
 """Sampling: drawing a token from a distribution, per-request generators, and the names the
-rest of the package imports (``SamplingParams`` from ``params``, ``target_probs`` from ``logits``,
-``cut_at_stop`` from ``detokenizer``).
+rest of the package imports (``SamplingParams`` from ``params``, ``target_probs`` from ``logits``).
 Knows nothing about models or drafters.
 """
 from __future__ import annotations
 
 import torch
 
-from .detokenizer import cut_at_stop
 from .logits import target_probs
 from .params import SamplingParams
 
-__all__ = ["SamplingParams", "target_probs", "cut_at_stop", "sample", "make_generator"]
+__all__ = ["SamplingParams", "target_probs", "sample", "make_generator"]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
