@@ -163,21 +163,48 @@ def _most_uncertain(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
 
 def _sampled_check(llm: LLM, index: int, prompt: list[int], params: SamplingParams, samples: int, depth: int,
                    alpha: float, min_expected: float, seed: int) -> SampledCheck:
-    # Room for the drafter's whole tree in the first step (the engine cuts trees near max_tokens);
-    # only the first ``depth`` tokens are compared.
-    room = llm.make_engine(1, len(prompt) + 2).max_tree_nodes
-    sp = dataclasses.replace(params, max_tokens=depth + room, ignore_eos=True, n=samples, seed=seed, stop=[],
-                             stop_token_ids=[], logprobs=None, prompt_logprobs=None)
-    outs = llm.generate({"prompt_token_ids": prompt}, sp)[0].outputs
-    exact, kept = _exact_cells(llm, prompt, dataclasses.replace(sp, n=1), depth, min_expected / samples)
+    outs = _sample_outputs(llm, prompt, params, samples, depth, seed)
+    exact, kept = _exact_cells(llm, prompt, _sampled_params(params, depth), depth, min_expected / samples)
     observed: dict[tuple, int] = {}
     for o in outs:
-        cell = _cell_of(tuple(o.token_ids[:depth]), kept, depth)
+        cell = _cell_of(tuple(o[:depth]), kept, depth)
         observed[cell] = observed.get(cell, 0) + 1
     chi2, dof, worst = _chi_square(exact, observed, samples, min_expected)
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
                                             torch.tensor(chi2 / 2.0, dtype=torch.float64)))
     return SampledCheck(index, samples, len(exact), chi2, dof, p_value, p_value > alpha, worst)
+
+
+def _sampled_params(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    return dataclasses.replace(params, max_tokens=max_tokens, ignore_eos=True, n=1, stop=[], stop_token_ids=[],
+                               logprobs=None, prompt_logprobs=None)
+
+
+class _StopAfter:
+    """A stop hook ending an output after ``depth`` tokens, whatever ``max_tokens`` says."""
+
+    def __init__(self, depth: int):
+        self.depth, self.n = depth, 0
+
+    def __call__(self, new: list[int]) -> int | None:
+        if self.n + len(new) >= self.depth:
+            return self.depth - self.n
+        self.n += len(new)
+        return None
+
+
+def _sample_outputs(llm: LLM, prompt: list[int], params: SamplingParams, samples: int, depth: int,
+                    seed: int) -> list[list[int]]:
+    """``samples`` outputs (output j seeded ``seed + j``) decoded by ``llm``'s engine with room for
+    the drafter's whole tree in the first step, each ended after ``depth`` tokens."""
+    from .engine import Sequence
+    room = llm.make_engine(1, len(prompt) + 2).max_tree_nodes
+    sp = _sampled_params(params, depth + room)
+    engine = llm.make_engine(min(samples, llm.max_num_seqs), len(prompt) + depth + room)
+    seqs = [Sequence(list(prompt), dataclasses.replace(sp, seed=seed + j), stop_hook=_StopAfter(depth))
+            for j in range(samples)]
+    engine.run(seqs)
+    return [s.output_ids for s in seqs]
 
 
 def _chi_square(exact: dict[tuple, float], observed: dict[tuple, int], samples: int,
