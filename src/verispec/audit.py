@@ -109,7 +109,8 @@ def audit(llm: LLM, prompts: list[list[int]], params: SamplingParams, *, max_tok
         raise ValueError("audit needs at least one prompt")
     if depth < 2 or samples < 50:
         raise ValueError("audit needs depth >= 2 (a speculative step) and samples >= 50")
-    greedy = [_greedy_case(llm, i, p, params, max_tokens, tie_margin) for i, p in enumerate(prompts)]
+    vanilla = LLM(loaded=llm.target, max_num_seqs=1)
+    greedy = [_greedy_case(llm, vanilla, i, p, params, max_tokens, tie_margin) for i, p in enumerate(prompts)]
     sampled = []
     if not params.greedy:
         for i in _most_uncertain(llm, prompts, params, sampled_prompts):
@@ -120,10 +121,10 @@ def audit(llm: LLM, prompts: list[list[int]], params: SamplingParams, *, max_tok
 
 
 # -- greedy identity ---------------------------------------------------------------------------
-def _greedy_case(llm: LLM, index: int, prompt: list[int], params: SamplingParams, max_tokens: int,
+def _greedy_case(llm: LLM, vanilla: LLM, index: int, prompt: list[int], params: SamplingParams, max_tokens: int,
                  tie_margin: float) -> GreedyCase:
+    """``prompt`` decoded greedily by ``llm`` and by ``vanilla`` (the same target, no speculation)."""
     gp = dataclasses.replace(params, temperature=0.0, max_tokens=max_tokens, seed=None, n=1)
-    vanilla = LLM(loaded=llm.target, max_num_seqs=1)
     want = vanilla.generate({"prompt_token_ids": prompt}, gp)[0].token_ids
     got = llm.generate({"prompt_token_ids": prompt}, gp)[0].token_ids
     n = min(len(got), len(want))
@@ -134,18 +135,17 @@ def _greedy_case(llm: LLM, index: int, prompt: list[int], params: SamplingParams
     return GreedyCase(index, False, diff, margin, margin < tie_margin)
 
 
-def _processed_logits(llm: LLM, prompt: list[int], prefix: list[int], params: SamplingParams) -> torch.Tensor:
+def _processed_logits(llm: LLM, prompt: list[int], prefix: list[int], pipe: LogitsPipeline) -> torch.Tensor:
     """The target's processed logits [V] for the token after ``prompt + prefix`` (output so far
     ``prefix``), as the engine's pipeline gives them."""
     ids = prompt + prefix
     with torch.no_grad():
         logits = llm.target.model(torch.tensor([ids]), torch.arange(len(ids))[None]).logits[0, -1:]
-    pipe = LogitsPipeline.build(params, llm.eos_token_ids)
     return pipe.process(logits, prompt, prefix)[0].float()
 
 
 def _top2_margin(llm: LLM, prompt: list[int], prefix: list[int], params: SamplingParams) -> float:
-    top = torch.topk(_processed_logits(llm, prompt, prefix, params), 2).values
+    top = torch.topk(_processed_logits(llm, prompt, prefix, LogitsPipeline.build(params, llm.eos_token_ids)), 2).values
     return float(top[0] - top[1])
 
 
@@ -156,7 +156,7 @@ def _most_uncertain(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
     pipe = LogitsPipeline.build(params, llm.eos_token_ids)
     ent = []
     for p in prompts:
-        probs = pipe.probs(_processed_logits(llm, p, [], params)[None])[0].double()
+        probs = pipe.probs(_processed_logits(llm, p, [], pipe)[None])[0].double()
         ent.append(float(-(probs * probs.clamp_min(1e-300).log()).sum()))
     return sorted(range(len(prompts)), key=lambda i: -ent[i])[:k]
 
@@ -249,7 +249,7 @@ def _exact_cells(llm: LLM, prompt: list[int], params: SamplingParams, depth: int
             if len(kept) >= max_forwards:
                 cells[prefix + (OTHER,) * (depth - level)] = mass
                 continue
-            probs = pipe.probs(_processed_logits(llm, prompt, list(prefix), params)[None])[0].double()
+            probs = pipe.probs(_processed_logits(llm, prompt, list(prefix), pipe)[None])[0].double()
             joint = probs * mass
             keep = torch.nonzero(joint >= min_p).flatten().tolist()
             kept[prefix] = set(keep)
