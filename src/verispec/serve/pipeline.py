@@ -224,7 +224,7 @@ class RequestPipeline:
 
     def decode(self, ids: list[int]) -> str:
         with self.tok_lock:
-            return self.llm.tokenizer.decode(ids, skip_special_tokens=True)
+            return self.llm._decode(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         with self.tok_lock:
