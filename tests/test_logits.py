@@ -11,13 +11,15 @@ import torch
 from verispec.logits import (AllowedTokens, FrequencyPresencePenalty, LogitBias, LogitsPipeline, MinTokens,
                              RepetitionPenalty, target_probs)
 from verispec.params import SamplingParams
+from verispec.structured import StructuredOutputsParams
 from verispec.tree import DraftTree
 
 # A different valid value for every SamplingParams field (the key test below needs one per field).
 OTHER = {"temperature": 0.5, "top_p": 0.9, "top_k": 5, "max_tokens": 17, "seed": 3, "stop": ["x"],
          "stop_token_ids": [2], "ignore_eos": True, "logprobs": 2, "prompt_logprobs": 1, "min_p": 0.1,
          "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "n": 2, "min_tokens": 3,
-         "include_stop_str_in_output": True, "logit_bias": {1: 2.0}, "allowed_token_ids": [1, 2]}
+         "include_stop_str_in_output": True, "logit_bias": {1: 2.0}, "allowed_token_ids": [1, 2],
+         "structured_outputs": StructuredOutputsParams(regex="a+")}
 
 
 def test_pipeline_order_and_only_what_applies():
@@ -80,7 +82,7 @@ def test_request_mapping_covers_every_field():
     body = {"prompt": "x", "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 3, "stop": "x",
             "stop_token_ids": [2], "ignore_eos": True, "logprobs": 2, "min_p": 0.1, "presence_penalty": 0.5,
             "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_tokens": 3, "include_stop_str_in_output": True,
-            "logit_bias": {"1": 2.0}, "allowed_token_ids": [1, 2]}
+            "logit_bias": {"1": 2.0}, "allowed_token_ids": [1, 2], "structured_outputs": {"regex": "a+"}}
     got = sampling_params(CompletionRequest.model_validate(body), 17)
     want = {k: v for k, v in OTHER.items() if k not in NOT_FROM_REQUEST}
     assert {k: getattr(got, k) for k in want} == want and got.max_tokens == 17

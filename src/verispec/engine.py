@@ -25,7 +25,7 @@ import torch
 
 from .acceptance import LOSSLESS, AcceptanceRule
 from .drafters.base import DraftRequest, Drafter, TargetFeatures
-from .logits import LogitsPipeline
+from .logits import LogitsPipeline, TokenConstraint
 from .logprobs import TokenLogprob, token_logprobs
 from .metrics import SpecStats
 from .models.kv_cache import KVCache
@@ -61,6 +61,9 @@ class Sequence:
     # them completes a stop string (the sequence then ends after it, reason "stop"), else None.
     stop_hook: Callable[[list[int]], int | None] | None = None
     pipeline: LogitsPipeline | None = None   # built from ``params`` at admission
+    # What the output must match (structured output: a grammar matcher, ``grammar``), or None.
+    # The pipeline owns it from admission: it prunes draft trees, masks rows, sees emitted tokens.
+    constraint: TokenConstraint | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ class Engine:
         for seq in seqs:
             seq.row = self.free_rows.pop()
             seq.generator = seq.generator or make_generator(seq.params.seed)
-            seq.pipeline = LogitsPipeline.build(seq.params, tuple(self.eos))
+            seq.pipeline = LogitsPipeline.build(seq.params, tuple(self.eos), seq.constraint)
             seq.stats.acceptance, seq.stats.lossy = self.acceptance.name, self.acceptance.lossy
             self.cache.reset(seq.row)
         try:
@@ -276,7 +279,8 @@ class Engine:
                           self.stats.num_emitted_tokens - emitted0, t3 - t0)
 
     def _propose(self, seqs: list[Sequence], budget: int) -> list[DraftTree]:
-        """One tree per sequence, each cut to ``min(budget, room)`` nodes (a prefix is a tree)."""
+        """One tree per sequence, each cut to ``min(budget, room)`` nodes (a prefix is a tree), then
+        without the drafts its pipeline's constraint forbids (structured output)."""
         if self._drafter is None or budget == 0:
             return [DraftTree.empty() for _ in seqs]
         reqs = [DraftRequest(s.row, s.prompt_ids + s.output_ids, s.params, s.generator,
@@ -286,7 +290,7 @@ class Engine:
             if len(t) > self.max_tree_nodes:
                 raise RuntimeError(f"drafter proposed {len(t)} nodes, more than its max_tree_nodes "
                                    f"{self.max_tree_nodes}")
-        return [t.prefix(r.max_nodes) for t, r in zip(trees, reqs)]
+        return [s.pipeline.restrict(t.prefix(r.max_nodes)) for s, t, r in zip(seqs, trees, reqs)]
 
     def _room(self, seq: Sequence) -> int:
         """Draft tokens worth proposing: never more than what max_tokens and context leave."""
@@ -330,6 +334,7 @@ class Engine:
             if k is not None:
                 new, reason = new[:k], "stop"
         seq.output_ids.extend(new)
+        seq.pipeline.commit(new)
         if logprobs is not None:
             seq.logprobs = [] if seq.logprobs is None else seq.logprobs
             seq.logprobs.extend(logprobs[:len(new)])

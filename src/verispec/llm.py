@@ -5,6 +5,7 @@ This is the only layer that knows the tokenizer: it turns prompts into token ids
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence as Seq
@@ -15,6 +16,7 @@ from .acceptance import LOSSLESS
 from .detokenizer import IncrementalDetokenizer
 from .drafters import build_drafter_factory
 from .engine import Engine, Sequence
+from .grammar import GrammarCompiler
 from .logprobs import TokenLogprob
 from .metrics import SpecStats
 from .models.loading import LoadedModel, load_model
@@ -88,6 +90,8 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = tuple(self.target.config.eos_token_ids) or \
             ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
 
     # -- prompts ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -131,11 +135,29 @@ class LLM:
         """The output layer of one output: incremental text and ``params``' stop strings."""
         return IncrementalDetokenizer(decode or self._decode, params.stop, params.include_stop_str_in_output)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler of this model's tokenizer (built on first use)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.target.config.vocab_size, self.eos_token_ids)
+            return self._grammars
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError for params this model cannot honour (token ids outside the vocabulary,
+        a structured-output constraint that does not compile)."""
+        params.check_vocab(self.target.config.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammars.grammar(params.structured_outputs)
+
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None,
                      decode=None) -> tuple[Sequence, IncrementalDetokenizer]:
-        """An engine ``Sequence`` whose stop strings are checked by its own detokenizer."""
+        """An engine ``Sequence`` whose stop strings are checked by its own detokenizer (and,
+        with ``structured_outputs``, whose tokens a fresh grammar matcher constrains)."""
         detok = self.detokenizer(params, decode)
-        return Sequence(prompt_ids=prompt_ids, params=params, on_tokens=on_tokens, stop_hook=detok.push), detok
+        so = params.structured_outputs
+        return Sequence(prompt_ids=prompt_ids, params=params, on_tokens=on_tokens, stop_hook=detok.push,
+                        constraint=self.grammars.constraint(so) if so is not None else None), detok
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -153,7 +175,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         for sp in params:
-            sp.check_vocab(self.target.config.vocab_size)
+            self.check_params(sp)
         encoded = [self.encode_prompt(p) for p in prompts]
         seqs, owner, detoks = [], [], {}
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):

@@ -12,7 +12,12 @@ order (as HF's ``LogitsProcessorList``, vLLM's logits processors):
 3. ``logit_bias`` (OpenAI's): a fixed value added per token id;
 4. ``allowed_token_ids`` (vLLM's): every other token gets -inf;
 5. ``min_tokens``: end tokens (EOS unless ignored, ``stop_token_ids``) get -inf in rows that
-   would emit an output token before that count.
+   would emit an output token before that count;
+6. a grammar (``constraint``, structured output): tokens it forbids after each row's path get
+   -inf. It is a hard constraint: a row where the processors above leave no token the grammar
+   allows falls back to the grammar alone (e.g. ``min_tokens`` against a complete JSON document,
+   where only an end token may follow). Its ``prune`` runs on a draft tree before verification
+   and ``commit`` on emitted tokens (see ``grammar``).
 Warpers then turn a row into the distribution a token is drawn from: temperature, top-k,
 softmax, min-p, top-p (greedy: one-hot at the argmax). ``target_probs`` is the warper stage
 alone; drafters apply it to their own logits so that target and draft are warped alike.
@@ -135,16 +140,33 @@ class MinTokens:
         return logits
 
 
+class TokenConstraint(Protocol):
+    """A stateful constraint on what may be emitted (a grammar matcher: ``grammar.GrammarConstraint``)."""
+
+    def prune(self, tree: DraftTree) -> DraftTree:
+        """``tree`` without nodes the constraint forbids (connected, topological, q consistent)."""
+
+    def masks(self, tree: DraftTree | None) -> torch.Tensor:
+        """bool [N+1, V] (``[1, V]`` for None): tokens allowed after (root, nodes...)."""
+
+    def commit(self, tokens: list[int]) -> None:
+        """Advance past tokens that were emitted."""
+
+
 @dataclass(frozen=True)
 class LogitsPipeline:
     """The processors of one request, in order, then its warpers (see the module docstring).
-    Build it with ``LogitsPipeline.build``; an empty ``processors`` leaves target rows as they are."""
+    Build it with ``LogitsPipeline.build``; an empty ``processors`` and no ``constraint`` leave
+    target rows as they are."""
     params: SamplingParams
     processors: tuple[LogitsProcessor, ...] = field(default=())
+    constraint: TokenConstraint | None = None
 
     @classmethod
-    def build(cls, params: SamplingParams, eos_ids: tuple[int, ...] | frozenset[int] = ()) -> "LogitsPipeline":
-        """The pipeline of ``params``; ``eos_ids``: the model's end tokens (for ``min_tokens``)."""
+    def build(cls, params: SamplingParams, eos_ids: tuple[int, ...] | frozenset[int] = (),
+              constraint: TokenConstraint | None = None) -> "LogitsPipeline":
+        """The pipeline of ``params``; ``eos_ids``: the model's end tokens (for ``min_tokens``);
+        ``constraint``: the output's grammar matcher (structured output), owned by this pipeline."""
         procs: list[LogitsProcessor] = []
         if params.repetition_penalty != 1.0:
             procs.append(RepetitionPenalty(params.repetition_penalty))
@@ -157,7 +179,7 @@ class LogitsPipeline:
         ends = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))))
         if params.min_tokens > 0 and ends:
             procs.append(MinTokens(params.min_tokens, ends))
-        return cls(params, tuple(procs))
+        return cls(params, tuple(procs), constraint)
 
     def process(self, logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
                 tree: DraftTree | None = None) -> torch.Tensor:
@@ -167,13 +189,34 @@ class LogitsPipeline:
         if tree is not None and rows != len(tree) + 1:
             raise ValueError(f"{rows} logit rows for a tree of {len(tree)} nodes (expected {len(tree) + 1})")
         procs = [p for p in self.processors if not isinstance(p, MinTokens) or p.min_tokens > len(output_ids)]
-        if not procs:
+        if not procs and self.constraint is None:
             return logits
         ctx = RowContext(prompt_ids, output_ids, tree, rows, logits.shape[-1])
         x = logits.float().clone()
         for proc in procs:
             x = proc(x, ctx)
+        if self.constraint is not None:
+            x = self._constrain(x, logits, tree)
         return x
+
+    def _constrain(self, x: torch.Tensor, raw: torch.Tensor, tree: DraftTree | None) -> torch.Tensor:
+        allowed = self.constraint.masks(tree)
+        if allowed.shape != x.shape:
+            raise ValueError(f"grammar masks {tuple(allowed.shape)} for logits {tuple(x.shape)}: vocabulary mismatch")
+        x = x.masked_fill(~allowed, float("-inf"))
+        dead = ~torch.isfinite(x).any(-1)
+        if bool(dead.any()):                # the grammar wins over the other processors
+            x[dead] = raw[dead].float().masked_fill(~allowed[dead], float("-inf"))
+        return x
+
+    def restrict(self, tree: DraftTree) -> DraftTree:
+        """``tree`` without drafts the constraint forbids (unchanged without a constraint)."""
+        return tree if self.constraint is None or not len(tree) else self.constraint.prune(tree)
+
+    def commit(self, tokens: list[int]) -> None:
+        """Tell the constraint which tokens were emitted."""
+        if self.constraint is not None and tokens:
+            self.constraint.commit(tokens)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The warper stage of this request's params (``target_probs``)."""

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .logprobs import MAX_LOGPROBS
+from .structured import StructuredOutputsParams
 
 
 @dataclass
@@ -30,7 +31,10 @@ class SamplingParams:
     ``min_p``: drop tokens below ``min_p`` x the top token's probability (after temperature and
     top-k, before top-p). ``presence_penalty`` / ``frequency_penalty`` (-2..2, generated tokens)
     and ``repetition_penalty`` (> 0, prompt and generated tokens) change the target logits
-    (see ``penalties``); speculation stays lossless with respect to the penalised target.
+    (see ``logits``); speculation stays lossless with respect to the penalised target.
+    ``structured_outputs``: what the output must match (a JSON schema, any JSON object, a regex,
+    one of some strings, a Lark grammar: ``StructuredOutputsParams``, or its dict as vLLM's);
+    speculation stays lossless with respect to the grammar-constrained target (``grammar``).
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -51,8 +55,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or its dict), got "
+                             f"{type(self.structured_outputs).__name__}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -107,6 +117,8 @@ class SamplingParams:
         """A hashable key over every field (lists and dicts as sorted tuples): two params with
         equal keys decode identically."""
         def frozen(v):
+            if isinstance(v, StructuredOutputsParams):
+                return v.cache_key()
             if isinstance(v, dict):
                 return tuple(sorted(v.items()))
             return tuple(v) if isinstance(v, list) else v

@@ -10,9 +10,9 @@ Life of a sequence in batch row ``row``:
 
 ``features`` are ``TargetFeatures`` (hidden states of the layers the drafter asked for in
 ``hidden_layers``, and the final-normed state when ``needs_last_hidden``), or None.
-Drafters never see the verifier, the target cache or the metrics. A drafter may carry an optional
-``acceptance`` attribute with ``verify.accept``'s signature; the engine then uses it instead of the
-lossless verifier. Only an explicitly requested lossy mode (Medusa typical acceptance) sets it.
+Drafters never see the verifier, the target cache or the metrics, nor the acceptance rule (the
+engine's ``acceptance``) or a request's constraints: the engine prunes a proposed tree to what a
+request's grammar allows (``logits.LogitsPipeline.restrict``) before verifying it.
 """
 from __future__ import annotations
 

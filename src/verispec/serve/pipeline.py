@@ -170,7 +170,7 @@ class RequestPipeline:
                                 f"{kind} or completion.", param=kind, code="context_length_exceeded")
         try:
             params = sampling_params(req, max_tokens)
-            params.check_vocab(self.llm.target.config.vocab_size)          # as LLM.generate checks
+            self.llm.check_params(params)          # as LLM.generate checks: vocabulary, grammar
             return params
         except ValueError as e:
             raise APIError(400, str(e)) from e

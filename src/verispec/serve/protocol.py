@@ -2,7 +2,9 @@
 
 Unknown fields are kept and ignored (as OpenAI does); wrong types and out-of-range values fail
 validation (the app answers 400). ``unsupported()`` names a valid field value this server cannot
-honour (suffix, tools, vLLM extras, ...), or returns None. ``n`` (1..16) choices are separate
+honour (suffix, tools, vLLM extras, ...), or returns None. ``structured()``: the one structured-output
+constraint a request may carry (``response_format`` json_object / json_schema, ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar`` or ``structured_outputs``). ``n`` (1..16) choices are separate
 engine requests. ``logprob_count()``: how many top
 logprobs the request asks for (None: no logprobs).
 
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ..logprobs import MAX_LOGPROBS
 from ..params import SamplingParams
+from ..structured import StructuredOutputError, StructuredOutputsParams
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
 Seed = Annotated[StrictInt, Field(ge=-2**63, le=2**64 - 1)]
@@ -29,8 +32,7 @@ Seed = Annotated[StrictInt, Field(ge=-2**63, le=2**64 - 1)]
 UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "bad_words": [],
-    "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
-    "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "truncate_prompt_tokens": None,
+    "prompt_logprobs": None, "truncate_prompt_tokens": None,
     "add_generation_prompt": True, "continue_final_message": False, "echo": False,
 }
 MAX_PROMPTS = 64            # prompts in one completions request (each gets n choices)
@@ -67,6 +69,14 @@ class _Common(BaseModel):
     allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
     logit_bias: dict[str, Annotated[Float, Field(ge=-100.0, le=100.0)]] | None = None
     speculative_stats: StrictBool = False      # each choice reports its speculative-decoding stats
+    # Structured output (at most one of these): OpenAI's response_format, vLLM's guided_* fields and
+    # its newer structured_outputs object ({"json" | "json_object" | "regex" | "choice" | "grammar": ...}).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def bias(self) -> dict[int, float] | None:
         """``logit_bias`` with integer token ids (the vocabulary is checked by
@@ -79,6 +89,24 @@ class _Common(BaseModel):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             out[int(key)] = value
         return out
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint, or None; raises StructuredOutputError
+        (400) for a malformed one or for more than one way of asking."""
+        given = {}
+        if self.response_format is not None:
+            spec = StructuredOutputsParams.from_response_format(self.response_format)
+            if spec is not None:
+                given["response_format"] = spec
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given[name] = StructuredOutputsParams(**{kind: getattr(self, name)})
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if len(given) > 1:
+            raise StructuredOutputError(f"give one structured-output constraint, got {', '.join(given)}")
+        return next(iter(given.values()), None)
 
     def unsupported(self) -> str | None:
         """Why this request asks for something this server cannot do, or None."""
@@ -135,15 +163,12 @@ class ChatCompletionRequest(_Common):
     logprobs: StrictBool | None = None
     top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true"
         if self.tools:
             return "tools are not supported"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format other than {'type': 'text'} is not supported"
         return super().unsupported()
 
     def logprob_count(self) -> int | None:
@@ -174,6 +199,7 @@ NOT_FROM_REQUEST = {
 CONVERTED: dict[str, Callable[[_Common], Any]] = {
     "logit_bias": _Common.bias,                 # string keys -> token ids
     "logprobs": lambda r: r.logprob_count(),    # completions: a count; chat: logprobs + top_logprobs
+    "structured_outputs": _Common.structured,   # response_format / guided_* / structured_outputs
 }
 
 

@@ -294,8 +294,12 @@ class Scheduler:
                     return
                 req = self._waiting.popleft()
                 self.metrics.waiting.set(len(self._waiting))
-            seq, req.detok = self.llm.new_sequence(req.prompt_ids, req.params, decode=self.decode,
-                                                   on_tokens=lambda s, new, req=req: self._on_tokens(req, s, new))
+            try:
+                seq, req.detok = self.llm.new_sequence(req.prompt_ids, req.params, decode=self.decode,
+                                                       on_tokens=lambda s, new, req=req: self._on_tokens(req, s, new))
+            except ValueError as e:       # a grammar that compiled at validation but not now
+                self._error(req, 400, str(e), "invalid_request_error")
+                continue
             seq.start_time = req.arrival
             req.seq = seq
             self._active[seq.seq_id] = req
