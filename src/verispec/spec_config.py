@@ -25,6 +25,7 @@ class SpecMethod(str, enum.Enum):
     EAGLE = "eagle"
     EAGLE3 = "eagle3"
     MEDUSA = "medusa"
+    SUFFIX = "suffix"
 
 
 class SpecConfigError(ValueError):
@@ -32,7 +33,7 @@ class SpecConfigError(ValueError):
 
 
 _POSITIVE = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_matches",
-             "self_draft_layers", "topk", "depth", "num_draft_tokens")
+             "self_draft_layers", "topk", "depth", "num_draft_tokens", "suffix_decoding_max_tree_depth")
 
 
 @dataclass(frozen=True)
@@ -216,13 +217,43 @@ class MedusaSpecConfig(SpeculativeConfig):
 
 
 @dataclass(frozen=True)
+class SuffixConfig(SpeculativeConfig):
+    """SuffixDecoding (arXiv 2411.04975): suffix trees over this request's prompt and output and
+    over earlier requests' outputs; defaults are vLLM's. ``num_speculative_tokens`` (default: the
+    tree depth, as vLLM) caps the nodes of a proposed tree."""
+    method: ClassVar[str] = SpecMethod.SUFFIX.value
+    suffix_decoding_max_tree_depth: int = 24         # bounds match length + speculation depth
+    suffix_decoding_max_cached_requests: int = 10000 # outputs kept in the global tree (FIFO); 0 = off
+    suffix_decoding_max_spec_factor: float = 1.0     # nodes <= this x the matched suffix length
+    suffix_decoding_min_token_prob: float = 0.1      # keep nodes whose estimated path probability >= this
+
+    def check(self) -> None:
+        super().check()
+        n = self.suffix_decoding_max_cached_requests
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2 ** 31:
+            raise SpecConfigError("speculative_config 'suffix_decoding_max_cached_requests' must be an integer "
+                                  f">= 0 (0 turns the global tree off), got {n!r}")
+        f = self.suffix_decoding_max_spec_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < float("inf"):
+            raise SpecConfigError(f"speculative_config 'suffix_decoding_max_spec_factor' must be a number >= 0, got {f!r}")
+        p = self.suffix_decoding_min_token_prob
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise SpecConfigError(f"speculative_config 'suffix_decoding_min_token_prob' must be a number in [0, 1], got {p!r}")
+
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes a proposed tree has: ``num_speculative_tokens``, else the tree depth."""
+        return self.num_speculative_tokens or self.suffix_decoding_max_tree_depth
+
+
+@dataclass(frozen=True)
 class CustomSpecConfig(SpeculativeConfig):
     """Default config of a method registered with ``verispec.drafters.register``."""
     model: str | None = None
 
 
 METHOD_CONFIGS: dict[str, type[SpeculativeConfig]] = {
-    c.method: c for c in (NgramConfig, DraftModelConfig, EagleConfig, Eagle3Config, MedusaSpecConfig)}
+    c.method: c for c in (NgramConfig, DraftModelConfig, EagleConfig, Eagle3Config, MedusaSpecConfig, SuffixConfig)}
 
 
 def register_config(name: str, config_cls: type[SpeculativeConfig]) -> None:

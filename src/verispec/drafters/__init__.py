@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..spec_config import (CustomSpecConfig, DraftModelConfig, Eagle3Config, EagleConfig, MedusaSpecConfig,
-                           NgramConfig, SpecConfigError, SpeculativeConfig, register_config)
+                           NgramConfig, SpecConfigError, SpeculativeConfig, SuffixConfig, register_config)
 from .base import DraftRequest, Drafter, StatelessDrafter, TargetFeatures
 
 DrafterFactory = Callable[[int, int], Drafter]
@@ -57,6 +57,14 @@ def _ngram(config: NgramConfig, target) -> DrafterFactory:
     drafter = NgramDrafter(config.num_speculative_tokens or 5, config.prompt_lookup_min,
                            config.prompt_lookup_max, config.num_matches, config.prompt_lookup_extra)
     return lambda max_batch, max_len: drafter
+
+
+@register("suffix", config=SuffixConfig)
+def _suffix(config: SuffixConfig, target) -> DrafterFactory:
+    """SuffixDecoding: the global tree is made here, once per LLM / server, and shared by every
+    engine the factory makes (a later generate call drafts from earlier outputs)."""
+    from .suffix import build_suffix_factory
+    return build_suffix_factory(config)
 
 
 @register("draft_model", config=DraftModelConfig)
