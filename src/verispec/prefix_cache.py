@@ -31,7 +31,14 @@ Contract
 Store vs rebuild (measured, ``benchmarks/results/prefix_cache.md``): drafter state that depends on
 the prefix is not stored, only the target's features. Drafters are rebuilt by their own
 ``start(row, prompt_ids, features)`` with the full prompt's features; the rebuild cost shows up
-in ``start`` and the first ``propose`` (which catches up over the prompt). TBD-MEASURED
+in ``start`` and the first ``propose`` (which catches up over the prompt). Measured on
+SmolLM2-135M fp32, a 737-token chat prompt, 2 shared cores (load average ~7): the target prefill
+takes 3.4-4.0 s on a miss and 0.15 s on a hit (736 tokens cached; copying them in 27-32 ms,
+copying a prompt's blocks out 31-35 ms). Rebuild after a hit, start + (first propose - steady
+propose): ngram 0 ms; EAGLE-1 head 0.1 + (540 - 406) ms; EAGLE-3 head 23 + (305 - 154) ms;
+self-draft model (8 layers) 0.0 + (1079 - 161) ms. So storing drafter state would save at most
+~0.17 s for the EAGLE heads (about 5% of the prefill saved) and ~0.9 s for the self-draft model, which
+re-runs 8 of the target's 30 layers over the prompt: the case where storing its K/V would pay.
 """
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ suffix in the exposition. Conventions:
   ``spec_decode_num_accepted_tokens_per_pos{position="i"}`` counts drafted steps whose accepted
   path reached depth i (1-based), as ``SpecStats.accepted_per_pos``.
 - ``generation_tokens`` counts tokens emitted to requests (``completion_tokens``), also those of
-  requests aborted later; ``prompt_tokens`` counts prompt tokens prefilled. Responses answered
-  from the response cache do no engine work and count in ``response_cache_hits`` only.
+  requests aborted later; ``prompt_tokens`` counts the prompt tokens of admitted requests (those
+  served by the prefix cache too). Responses answered from the response cache do no engine work
+  and count in ``response_cache_hits`` only.
 - ``inter_token_latency_seconds`` is observed once per emitted token: the time since the
   request's previous emission divided by the tokens emitted together (speculation emits several).
 - ``request_finished{finished_reason}``: stop, length, abort (client went away), timeout, error.
