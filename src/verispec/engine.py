@@ -13,6 +13,13 @@ their rows at once. What a scheduler needs is offered here and nowhere else: ``c
 ``add`` / ``add_many`` (all or nothing: a failure leaves no row taken), ``abort``, and a per-step
 draft budget (``step(budget=k)`` caps every tree at its first k nodes, 0 = plain decoding), with
 a ``StepReport`` of what the step ran.
+
+Prefix caching (``prefix_cache``, see ``prefix_cache``): at admission a sequence whose prompt starts
+with cached blocks gets their K/V copied into its row and prefills only the rest (positions from
+the hit on); requests asking ``prompt_logprobs`` skip the lookup (they need every position's
+logits). The prompt's whole blocks are inserted after prefill, and the committed prompt + output
+tokens' blocks when the sequence retires. Drafters are started as without a cache, with the full
+prompt's target features (cached ones joined to the prefilled rest's).
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from .metrics import SpecStats
 from .models.kv_cache import KVCache
 from .models.transformer import Transformer
 from .params import SamplingParams
+from .prefix_cache import CacheLayout, PrefixCache, PrefixHit, join_features, num_positions
 from .sampling import make_generator, sample
 from .tree import DraftTree, pack_trees
 
@@ -79,10 +87,11 @@ class StepReport:
 class Engine:
     def __init__(self, model: Transformer, drafter: Drafter | None = None, *, max_batch: int,
                  max_len: int, eos_token_ids: tuple[int, ...] = (), max_context: int | None = None,
-                 acceptance: AcceptanceRule = LOSSLESS):
+                 acceptance: AcceptanceRule = LOSSLESS, prefix_cache: PrefixCache | None = None):
         """``max_len``: cache slots per row (prompt + output + tree slack). ``max_context``: the
         model's usable context; generation stops with reason "length" when it is reached.
-        ``acceptance``: the rule that decides which draft tokens are kept (lossless default)."""
+        ``acceptance``: the rule that decides which draft tokens are kept (lossless default).
+        ``prefix_cache``: K/V blocks shared across requests (and engines of one target)."""
         if not isinstance(acceptance, AcceptanceRule):
             raise TypeError(f"acceptance must be an AcceptanceRule (name, lossy, __call__), got {acceptance!r}")
         self.model = model
@@ -95,6 +104,17 @@ class Engine:
         self.free_rows = list(range(max_batch))[::-1]
         self.running: list[Sequence] = []
         self.stats = SpecStats(acceptance=acceptance.name, lossy=acceptance.lossy)
+        self._prefix_cache = prefix_cache
+        self._feature_log: dict[int, list[TargetFeatures]] = {}   # seq_id -> features of committed slots
+        if prefix_cache is not None:
+            layers, want_last = self._feature_request()
+            cfg = model.cfg
+            prefix_cache.bind(CacheLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
+                                          tuple(sorted(layers)), want_last))
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self._prefix_cache
 
     @property
     def drafter(self) -> Drafter | None:
@@ -135,16 +155,15 @@ class Engine:
             seq.stats.acceptance, seq.stats.lossy = self.acceptance.name, self.acceptance.lossy
             self.cache.reset(seq.row)
         try:
-            if len(seqs) > 1 and max(len(s.prompt_ids) for s in seqs) <= PREFILL_CHUNK and \
-                    all(s.params.prompt_logprobs is None for s in seqs):
-                results = self._prefill_batch(seqs)
-            else:
-                results = [self._prefill(s.row, s.prompt_ids, s) for s in seqs]
-            for seq, (logits, feats) in zip(seqs, results):
+            hits = [self._load_prefix(s) for s in seqs]
+            results = self._prefill_all(seqs, [h.num_tokens for h in hits])
+            for seq, hit, (logits, feats) in zip(seqs, hits, results):
+                feats = join_features([hit.features, feats])
                 seq.root = self._sample(self._target_rows(seq, logits[None])[0], seq)
                 self.running.append(seq)
                 if self._drafter is not None:
                     self._drafter.start(seq.row, list(seq.prompt_ids), feats)
+                self._store_prompt(seq, feats)
         except BaseException:
             for seq in seqs:                       # give the rows back; nothing was admitted
                 self._unadmit(seq)
@@ -154,8 +173,12 @@ class Engine:
             self._emit(seq, [seq.root], self._logprobs(seq, logits[None], [seq.root]))
 
     def _unadmit(self, seq: Sequence) -> None:
-        """Take ``seq`` out of the batch: drafter state, cache row and the row itself freed."""
+        """Take ``seq`` out of the batch: drafter state, cache row and the row itself freed (a
+        finished sequence's blocks go to the prefix cache first)."""
         if seq in self.running:
+            if seq.finished:
+                self._store_sequence(seq)
+            self._feature_log.pop(seq.seq_id, None)
             self.running.remove(seq)
             if self._drafter is not None:
                 self._drafter.release(seq.row)
@@ -163,14 +186,63 @@ class Engine:
             self.cache.reset(seq.row)
             self.free_rows.append(seq.row)
 
-    def _prefill_batch(self, seqs: list[Sequence]) -> list[tuple[torch.Tensor, TargetFeatures | None]]:
-        lens = [len(s.prompt_ids) for s in seqs]
+    # ------------------------------------------------------------------ prefix cache
+    def _load_prefix(self, seq: Sequence) -> PrefixHit:
+        """Copy the cached blocks at the start of ``seq``'s prompt into its (empty) row."""
+        if self._prefix_cache is None or seq.params.prompt_logprobs is not None:
+            return PrefixHit(0)
+        hit = self._prefix_cache.lookup(seq.prompt_ids)
+        if hit.num_tokens:
+            self.cache.write_prefix(seq.row, hit.k, hit.v)
+        return hit
+
+    def _store_prompt(self, seq: Sequence, feats: TargetFeatures | None) -> None:
+        """After prefill: the prompt's blocks to the cache; start logging committed features."""
+        if self._prefix_cache is None:
+            return
+        self._prefix_cache.insert(seq.prompt_ids, self.cache, seq.row, feats)
+        if feats is not None:
+            self._feature_log[seq.seq_id] = [feats]
+
+    def _log_features(self, seq: Sequence, feats: TargetFeatures | None) -> None:
+        log = self._feature_log.get(seq.seq_id)
+        if log is not None and feats is not None:
+            log.append(feats)
+
+    def _store_sequence(self, seq: Sequence) -> None:
+        """At retirement, before the row is reset: the blocks of the committed tokens. Only slots
+        ``[0, min(cache length, len(prompt + output)))`` are the sequence's (after a stop the cache
+        may hold accepted tokens past the cut output)."""
+        if self._prefix_cache is None:
+            return
+        tokens = seq.prompt_ids + seq.output_ids
+        valid = min(int(self.cache.lengths[seq.row]), len(tokens))
+        feats = None
+        if self._prefix_cache.layout.needs_features:
+            feats = join_features(self._feature_log.get(seq.seq_id, []))
+            valid = min(valid, num_positions(feats) if feats is not None else 0)
+        self._prefix_cache.insert(tokens[:valid], self.cache, seq.row, feats)
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill_all(self, seqs: list[Sequence], starts: list[int]
+                     ) -> list[tuple[torch.Tensor, TargetFeatures | None]]:
+        """Prefill each prompt from its ``starts`` offset (its cache length): one right-padded
+        forward when the rests are short and fit, else one chunked prefill per sequence."""
+        rest = [len(s.prompt_ids) - m for s, m in zip(seqs, starts)]
+        if len(seqs) > 1 and max(rest) <= PREFILL_CHUNK and max(starts) + max(rest) <= self.cache.max_len and \
+                all(s.params.prompt_logprobs is None for s in seqs):
+            return self._prefill_batch(seqs, starts)
+        return [self._prefill(s.row, s.prompt_ids, s, m) for s, m in zip(seqs, starts)]
+
+    def _prefill_batch(self, seqs: list[Sequence], starts: list[int]
+                       ) -> list[tuple[torch.Tensor, TargetFeatures | None]]:
+        lens = [len(s.prompt_ids) - m for s, m in zip(seqs, starts)]
         tokens = torch.zeros(len(seqs), max(lens), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tokens[i, :lens[i]] = torch.tensor(s.prompt_ids)
+        for i, (s, m) in enumerate(zip(seqs, starts)):
+            tokens[i, :lens[i]] = torch.tensor(s.prompt_ids[m:])
         rows = torch.tensor([s.row for s in seqs])
         layers, want_last = self._feature_request()
-        positions = torch.arange(max(lens))[None].repeat(len(seqs), 1)
+        positions = torch.tensor(starts)[:, None] + torch.arange(max(lens))[None]
         out = self.model(tokens, positions, self.cache, rows=rows, hidden_layers=layers,
                          logits_index=torch.tensor(lens)[:, None] - 1)
         results = []
@@ -183,17 +255,21 @@ class Engine:
             results.append((out.logits[i, 0], feats))
         return results
 
-    def _prefill(self, row: int, ids: list[int], seq: Sequence | None = None
+    def _prefill(self, row: int, ids: list[int], seq: Sequence | None = None, start: int = 0
                  ) -> tuple[torch.Tensor, TargetFeatures | None]:
-        """Chunked prefill of one row; fills ``seq.prompt_logprobs`` when its params ask (logits
-        at every prompt position, entries for prompt tokens 1..n-1)."""
+        """Chunked prefill of one row from position ``start`` (the row's cache length: tokens
+        before it came from the prefix cache); features of positions ``start..``. Fills
+        ``seq.prompt_logprobs`` when its params ask (logits at every prompt position, entries for
+        prompt tokens 1..n-1; only from ``start`` 0)."""
         rows = torch.tensor([row])
         layers, want_last = self._feature_request()
         hid_parts, last_parts, logits = {i: [] for i in layers}, [], None
         k = seq.params.prompt_logprobs if seq is not None else None
         if k is not None:
+            if start:
+                raise ValueError("prompt_logprobs need the whole prompt prefilled (start 0)")
             seq.prompt_logprobs = []
-        for s in range(0, len(ids), PREFILL_CHUNK):
+        for s in range(start, len(ids), PREFILL_CHUNK):
             chunk = torch.tensor([ids[s:s + PREFILL_CHUNK]])
             pos = torch.arange(s, s + chunk.shape[1])[None]
             is_last = s + PREFILL_CHUNK >= len(ids)
@@ -265,8 +341,10 @@ class Engine:
             depth = int(tree.depth.max()) if len(tree) else 0
             seq.stats.observe(len(tree), depth, res.num_accepted)
             self.stats.observe(len(tree), depth, res.num_accepted)
+            feats = self._features(out, b, keep)
             if self._drafter is not None:
-                self._drafter.accept(seq.row, committed, self._features(out, b, keep))
+                self._drafter.accept(seq.row, committed, feats)
+            self._log_features(seq, feats)
             seq.root = res.tokens[-1]
             self._emit(seq, res.tokens, self._logprobs(seq, out.logits[b, keep], res.tokens))
         t3 = time.perf_counter()

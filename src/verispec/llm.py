@@ -21,6 +21,7 @@ from .logprobs import TokenLogprob
 from .metrics import SpecStats
 from .models.loading import LoadedModel, load_model
 from .params import SamplingParams
+from .prefix_cache import PrefixCache
 from .spec_config import SpeculativeConfig
 
 PromptType = str | dict
@@ -74,10 +75,23 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
                  speculative_config: dict | str | SpeculativeConfig | None = None,
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_threads: int | None = None,
-                 loaded: LoadedModel | None = None, weights: str = "dense"):
+                 loaded: LoadedModel | None = None, weights: str = "dense",
+                 prefix_cache_mb: float = 0, prefix_cache_block_size: int = 16):
         """``loaded`` lets several LLMs share one loaded target (tests, benchmarks).
         ``weights="fp16"``: fp16-packed matmul weights on the CPU (``models.packed``): faster, and a
-        few-token verification forward costs about a one-token decode; not bit-equal to fp32."""
+        few-token verification forward costs about a one-token decode; not bit-equal to fp32.
+        ``prefix_cache_mb`` > 0: one ``PrefixCache`` of that many MiB (blocks of
+        ``prefix_cache_block_size`` tokens) shared by every engine this LLM makes, so a prompt
+        repeating an earlier prompt or conversation (system prompt, chat history) prefills only
+        what is new; 0 (default) turns it off. Its counters: ``self.prefix_cache.stats()``."""
+        if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) or \
+                not 0 <= prefix_cache_mb < float("inf"):
+            raise ValueError(f"prefix_cache_mb must be a number >= 0 (0 = off), got {prefix_cache_mb!r}")
+        if isinstance(prefix_cache_block_size, bool) or not isinstance(prefix_cache_block_size, int) or \
+                prefix_cache_block_size < 1:
+            raise ValueError(f"prefix_cache_block_size must be an int >= 1, got {prefix_cache_block_size!r}")
+        self.prefix_cache = PrefixCache.from_mib(prefix_cache_mb, prefix_cache_block_size) \
+            if prefix_cache_mb > 0 else None
         if num_threads:
             torch.set_num_threads(num_threads)
         self.target = loaded or load_model(model, dtype=dtype, weights=weights)
@@ -126,7 +140,7 @@ class LLM:
         slack = (drafter.max_tree_nodes if drafter else 0) + 2
         return Engine(self.target.model, drafter, max_batch=max_batch, max_len=max_len + slack,
                       eos_token_ids=self.eos_token_ids, max_context=self.max_model_len,
-                      acceptance=self.acceptance)
+                      acceptance=self.acceptance, prefix_cache=self.prefix_cache)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -30,6 +30,16 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return v
+
+
 def _positive_float(text: str) -> float:
     v = float(text)
     if not v > 0 or v != v or v == float("inf"):
@@ -65,6 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="abort requests running longer than this (408); default: no limit")
     p.add_argument("--response-cache", type=_non_negative_int, default=0, metavar="N",
                    help="answer repeated temperature-0 requests from an LRU of N entries (default: 0, off)")
+    p.add_argument("--prefix-cache-mb", type=_non_negative_float, default=0.0, metavar="MIB",
+                   help="keep the K/V of prompt and output token blocks in an LRU of this many MiB and reuse "
+                        "them for later prompts that start with the same tokens (system prompts, chat "
+                        "history): only the rest is prefilled; counted in /metrics (default: 0, off)")
+    p.add_argument("--prefix-cache-block-size", type=_positive_int, default=16, metavar="TOKENS",
+                   help="tokens per prefix-cache block; only whole blocks are reused (default: 16)")
     p.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16")
     p.add_argument("--weights", choices=("dense", "fp16"), default="dense", help="matmul weights: dense (as loaded) or fp16 (FBGEMM fp16-packed, fp32 activations: faster on a CPU, not bit-equal to fp32; default %(default)s)")
     p.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
@@ -131,7 +147,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         llm = LLM(args.model, dtype=args.dtype, weights=args.weights, speculative_config=spec, max_num_seqs=args.max_num_seqs,
-                  max_model_len=args.max_model_len, num_threads=args.num_threads)
+                  max_model_len=args.max_model_len, num_threads=args.num_threads,
+                  prefix_cache_mb=args.prefix_cache_mb, prefix_cache_block_size=args.prefix_cache_block_size)
     except Exception as e:          # noqa: BLE001 - any loading failure ends the command
         print(f"verispec serve: cannot load {args.model!r}: {e}", file=sys.stderr)
         return 1
@@ -146,9 +163,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=int(args.shutdown_grace) + 1,
                                            access_log=args.log_level == "debug"), app.state.server, args.shutdown_grace)
     logging.getLogger("verispec.serve").info(
-        "serving %s on http://%s:%d (max_num_seqs=%d, max_model_len=%d, speculation=%s, policy=%s)",
-        args.model, args.host, args.port, args.max_num_seqs, llm.max_model_len,
-        llm.spec.as_dict() if llm.spec else None, type(policy).__name__ if policy else None)
+        "serving %s on http://%s:%d (max_num_seqs=%d, max_model_len=%d, speculation=%s, policy=%s, "
+        "prefix_cache_mb=%g)", args.model, args.host, args.port, args.max_num_seqs, llm.max_model_len,
+        llm.spec.as_dict() if llm.spec else None, type(policy).__name__ if policy else None, args.prefix_cache_mb)
     server.run()
     return 0 if server.started else 1
 

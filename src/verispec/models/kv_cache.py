@@ -7,6 +7,8 @@ Contract
 - A forward writes its T new tokens into slots ``lengths[row] .. lengths[row] + T - 1``; it does
   not change ``lengths``. The caller commits with ``advance`` (append) or ``compact`` (keep
   chosen scratch slots, e.g. an accepted tree path). Rolling back is setting a length.
+- ``read_slots`` / ``write_prefix`` copy committed K/V out of a row and into a fresh row (the
+  prefix cache's copy-out and copy-in): copies, never views, so later writes change neither side.
 Knows nothing about models, drafters or sampling.
 """
 from __future__ import annotations
@@ -78,6 +80,33 @@ class KVCache:
                 kk[row, :, dst] = kk[row, :, src]
                 vv[row, :, dst] = vv[row, :, src]
         self.lengths[row] = start + n
+
+    # -- copies out and in (prefix caching) ---------------------------------------------------
+    def read_slots(self, row: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the K and V of slots ``start .. stop - 1`` of ``row`` in every layer:
+        ``[num_layers, num_kv_heads, stop - start, head_dim]`` each, contiguous."""
+        if not 0 <= start <= stop <= int(self.lengths[row]):
+            raise ValueError(f"slots {start}..{stop} are not committed in row {row} "
+                             f"(length {int(self.lengths[row])})")
+        return (torch.stack([k[row, :, start:stop] for k in self.k]),
+                torch.stack([v[row, :, start:stop] for v in self.v]))
+
+    def write_prefix(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Make ``k, v [num_layers, num_kv_heads, T, head_dim]`` the first T committed slots of
+        an empty ``row`` (``lengths[row]`` becomes T)."""
+        t = int(k.shape[2])
+        if int(self.lengths[row]) != 0:
+            raise ValueError(f"row {row} is not empty (length {int(self.lengths[row])})")
+        heads, dim = self.k[0].shape[1], self.k[0].shape[3]
+        if tuple(k.shape) != (len(self.k), heads, t, dim) or k.shape != v.shape:
+            raise ValueError(f"K/V of shape {tuple(k.shape)} / {tuple(v.shape)} do not fit this cache "
+                             f"({len(self.k)} layers, {heads} KV heads, head dim {dim})")
+        if t > self.max_len:
+            raise CacheFullError(f"KV cache holds {self.max_len} slots per sequence, {t} needed")
+        for layer in range(len(self.k)):
+            self.k[layer][row, :, :t] = k[layer]
+            self.v[layer][row, :, :t] = v[layer]
+        self.lengths[row] = t
 
     def reset(self, rows: torch.Tensor | int | None = None) -> None:
         if rows is None:

@@ -7,11 +7,15 @@ suffix in the exposition. Conventions:
   ``spec_decode_num_accepted_tokens_per_pos{position="i"}`` counts drafted steps whose accepted
   path reached depth i (1-based), as ``SpecStats.accepted_per_pos``.
 - ``generation_tokens`` counts tokens emitted to requests (``completion_tokens``), also those of
-  requests aborted later; ``prompt_tokens`` counts prompt tokens prefilled. Responses answered
-  from the response cache do no engine work and count in ``response_cache_hits`` only.
+  requests aborted later; ``prompt_tokens`` counts the prompt tokens of admitted requests (those
+  served by the prefix cache too). Responses answered from the response cache do no engine work
+  and count in ``response_cache_hits`` only.
 - ``inter_token_latency_seconds`` is observed once per emitted token: the time since the
   request's previous emission divided by the tokens emitted together (speculation emits several).
 - ``request_finished{finished_reason}``: stop, length, abort (client went away), timeout, error.
+- ``prefix_cache_queries`` / ``prefix_cache_hits`` (as vLLM's): prompt tokens looked up in the
+  prefix cache and, of those, tokens served from it (their prefill skipped); ``prefix_cache_bytes``
+  the bytes of K/V and features it holds (all 0 without ``--prefix-cache-mb``).
 Every method is thread-safe (prometheus-client metrics are).
 """
 from __future__ import annotations
@@ -79,6 +83,13 @@ class ServerMetrics:
                                       "1 when the acceptance rule is lossy (outputs do not follow the "
                                       "target distribution), else 0; the rule's name is the label.",
                                       ["rule"], registry=r)
+        self.prefix_cache_queries = Counter("verispec:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_cache_hits = Counter("verispec:prefix_cache_hits",
+                                         "Prompt tokens served from the prefix cache (not prefilled).", registry=r)
+        self.prefix_cache_bytes = Gauge("verispec:prefix_cache_bytes",
+                                        "Bytes of K/V and target features held by the prefix cache.", registry=r)
+        self._prefix_seen = (0, 0)
         for reason in FINISH_REASONS:
             self.finished.labels(finished_reason=reason)
         self._lock = threading.Lock()
@@ -106,6 +117,18 @@ class ServerMetrics:
                                    num_draft_tokens=stats.num_draft_tokens,
                                    num_accepted_tokens=stats.num_accepted_tokens,
                                    accepted_per_pos=list(stats.accepted_per_pos))
+
+    def observe_prefix_cache(self, stats) -> None:
+        """Add what ``stats`` (a ``PrefixCacheStats``, cumulative) gained since the previous call;
+        set the bytes gauge."""
+        with self._lock:
+            q0, h0 = self._prefix_seen
+            if stats.queries < q0:                     # another cache: counting restarts
+                q0 = h0 = 0
+            self.prefix_cache_queries.inc(stats.queries - q0)
+            self.prefix_cache_hits.inc(stats.hits - h0)
+            self._prefix_seen = (stats.queries, stats.hits)
+            self.prefix_cache_bytes.set(stats.bytes_used)
 
     def set_acceptance(self, rule) -> None:
         """Report the engine's acceptance rule (an ``acceptance.AcceptanceRule``)."""

@@ -22,6 +22,8 @@ Contract
   for up to ``grace_s`` seconds, aborts the rest (503) and joins the thread.
 - Each request's text is made in this thread by its own ``IncrementalDetokenizer`` (the engine's
   stop hook for its stop strings); events carry the new text that can no longer change.
+With a prefix cache (``LLM(prefix_cache_mb=...)``, shared by every engine the scheduler builds) its
+counters go to the metrics after each admit/step round.
 The optional ``policy`` gives each step its draft budget (``Engine.step(budget=...)``; see
 ``policy``) and is told each step's batch size, budget, verified rows, time and emitted tokens.
 The scheduler uses only the engine's public surface (admit, step, abort); it never edits it.
@@ -237,6 +239,8 @@ class Scheduler:
         self._expire()
         self._admit()
         self._step()
+        if self.engine.prefix_cache is not None:
+            self.metrics.observe_prefix_cache(self.engine.prefix_cache.stats())
         self.metrics.running.set(self.engine.num_running)
         self.metrics.waiting.set(len(self._waiting))
         return True
