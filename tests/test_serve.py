@@ -513,7 +513,10 @@ def _hostile_field_cases() -> list[tuple[str, str, object, dict | None, set[int]
         "min_p": [1.5, -0.1, "x"],
         "min_tokens": [5],
         "use_beam_search": [True],
-        "guided_json": [{"type": "object"}],
+        "guided_json": [3, "{not json", ["x"], {"type": "object", "properties": 5}],
+        "guided_regex": ["(unclosed", 5], "guided_choice": [[], [""], "x"],
+        "structured_outputs": [{}, {"regex": "a", "choice": ["b"]}, {"json_schema": {}}, "x"],
+        "response_format": [{"type": "xml"}, {"type": "json_schema"}, "json", {"type": "json_schema", "json_schema": 3}],
         "include_stop_str_in_output": ["yes", 3],
     }
     for base, path in ((_OK_C, _C), (_OK_CH, _CH)):
@@ -562,7 +565,7 @@ def _hostile_cases(long_prompt: str) -> list[tuple[str, str, object, dict | None
     cases.append(("POST", ch, dict(ok_ch, logprobs=True, top_logprobs=2, stream=True), None, {200}))
     for v in (dict(ok_ch, top_logprobs=3), dict(ok_ch, logprobs=True, top_logprobs=21), dict(ok_ch, logprobs="yes"),
               dict(ok_ch, tools=[{"type": "function"}]),
-              dict(ok_ch, response_format={"type": "json_object"}), dict(ok_ch, max_completion_tokens=-3)):
+              dict(ok_ch, response_format={"type": "json_object"}, guided_regex="a"), dict(ok_ch, max_completion_tokens=-3)):
         cases.append(("POST", ch, v, None, {400}))
     for path in ("/v1/models", "/metrics"):
         cases.append(("GET", path, None, {}, {401}))
