@@ -298,10 +298,10 @@ Q2 = "How long does delivery to Vienna take?"
 Q3 = "Thanks. And what would shipping cost for a 30 euro order?"
 TOKENS = 20
 METHODS = {"vanilla": None, "ngram": {"method": "ngram", "num_speculative_tokens": 4},
-           "eagle3": {"method": "eagle3"},
+           "eagle3": {"method": "eagle3"}, "medusa": {"method": "medusa"},
            "draft_model": {"method": "draft_model", "model": "self", "self_draft_layers": 8,
                            "num_speculative_tokens": 3}}
-DRAFT_STATE = ("eagle3", "draft_model")       # drafters whose state depends on the prefix
+DRAFT_STATE = ("eagle3", "medusa", "draft_model")    # drafters fed target features / the prefix
 
 
 def _ids(llm: LLM, messages: list[dict]) -> list[int]:
