@@ -127,7 +127,7 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def servers():
-    plain = ServerProcess("--max-num-seqs", "8", "--max-model-len", "512")
+    plain = ServerProcess("--max-num-seqs", "8", "--max-model-len", "512", "--shutdown-grace", "60")
     guarded = ServerProcess("--speculative-config", json.dumps(NGRAM), "--num-speculative-tokens-per-batch-size",
                             json.dumps(TABLE), "--max-num-seqs", "4", "--max-model-len", "512",
                             "--max-prompt-tokens", "256", "--max-queue", "64", "--request-timeout", "60",
