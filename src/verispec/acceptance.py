@@ -1,9 +1,13 @@
 """The acceptance rule: the engine's one slot for deciding which draft tokens to keep.
 
 The engine is built with a rule (``Engine(..., acceptance=...)``), as vLLM keeps its rejection
-sampler apart from its proposers; drafters never choose it. A rule is called as
-``rule(tree, logits, params, generator) -> AcceptResult`` on one request's processed target rows
-``[N+1, V]`` of (root, tree nodes...) (see ``verify`` for accepted / recovered / bonus tokens).
+sampler apart from its proposers; drafters never choose it. A rule decides a whole step at once:
+``rule.accept_batch(batch, logits, params, generators) -> BatchAccept`` on the packed trees
+(``TreeBatch``) and the processed target rows ``[B, T, V]`` of (root, tree nodes..., padding),
+in a fixed number of tensor operations with no host reads (see ``verify`` for accepted /
+recovered / bonus tokens). ``rule(tree, logits, params, generator) -> AcceptResult`` decides one
+tree (a batch of one). A rule with only ``__call__`` still works in the engine (``batched``
+loops over its rows, with the host reads that brings).
 
 - ``LosslessAcceptance`` (the default): greedy, or recursive rejection sampling; the output
   follows the target distribution exactly.
@@ -14,16 +18,19 @@ Knows nothing about models or drafters.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Callable, ClassVar, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from .logits import target_probs
 from .params import SamplingParams
 from .tree import DraftTree
-from .verify import AcceptResult, accept, accept_greedy
+from .tree_batch import TreeBatch
+from .verify import (AcceptResult, BatchAccept, accept_batch, accept_greedy_batch, batch_target_probs,
+                     draw_uniforms, finish_path, path_from_mask, sample_inverse_cdf, select_rows)
+
+BatchRule = Callable[[TreeBatch, torch.Tensor, Sequence[SamplingParams], Sequence[torch.Generator | None]],
+                     BatchAccept]
 
 
 @runtime_checkable
@@ -35,19 +42,42 @@ class AcceptanceRule(Protocol):
                  generator: torch.Generator | None) -> AcceptResult: ...
 
 
-@dataclass(frozen=True)
-class LosslessAcceptance:
-    """Greedy or lossless recursive rejection sampling (``verify.accept``)."""
-    name: ClassVar[str] = "lossless"
-    lossy: ClassVar[bool] = False
+def batched(rule: AcceptanceRule) -> BatchRule:
+    """The rule's ``accept_batch``; for a rule without one, a loop calling it row by row."""
+    if hasattr(rule, "accept_batch"):
+        return rule.accept_batch
+
+    def per_row(batch: TreeBatch, logits, params, generators) -> BatchAccept:
+        trees = [DraftTree(batch.node_tokens[b, :n], batch.parent_entry[b, :n] - 1,
+                           batch.q[b, :n] if batch.q is not None else None) for b, n in enumerate(batch.sizes)]
+        return BatchAccept.from_results([rule(t, logits[b, :len(t) + 1], p, g)
+                                         for b, (t, p, g) in enumerate(zip(trees, params, generators))],
+                                        batch.max_depth, logits.device)
+    return per_row
+
+
+class _OneTree:
+    """``__call__`` on one tree through the rule's ``accept_batch`` (a batch of one)."""
 
     def __call__(self, tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
                  generator: torch.Generator | None) -> AcceptResult:
-        return accept(tree, logits, params, generator)
+        batch = TreeBatch.pack([tree], [0], [0], device=logits.device)
+        return self.accept_batch(batch, logits[None], [params], [generator]).to_host()[0]
 
 
 @dataclass(frozen=True)
-class LossyTypicalAcceptance:
+class LosslessAcceptance(_OneTree):
+    """Greedy or lossless recursive rejection sampling (``verify.accept_batch``)."""
+    name: ClassVar[str] = "lossless"
+    lossy: ClassVar[bool] = False
+
+    def accept_batch(self, batch: TreeBatch, logits: torch.Tensor, params: Sequence[SamplingParams],
+                     generators: Sequence[torch.Generator | None]) -> BatchAccept:
+        return accept_batch(batch, logits, params, generators)
+
+
+@dataclass(frozen=True)
+class LossyTypicalAcceptance(_OneTree):
     """Medusa's typical acceptance, **lossy**. A draft token x below a node whose target
     distribution is p (temperature, top-k, top-p applied) passes when
     ``p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p)))``. Among root-to-node paths
@@ -63,32 +93,41 @@ class LossyTypicalAcceptance:
         if not (0 < self.posterior_threshold <= 1) or not (0 < self.posterior_alpha <= 1):
             raise ValueError("posterior_threshold and posterior_alpha must lie in (0, 1]")
 
-    def __call__(self, tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None) -> AcceptResult:
-        if params.greedy:
-            return accept_greedy(tree, logits)
-        probs = target_probs(logits, params)                                # [N+1, V]
-        ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+    def accept_batch(self, batch: TreeBatch, logits: torch.Tensor, params: Sequence[SamplingParams],
+                     generators: Sequence[torch.Generator | None]) -> BatchAccept:
+        greedy = accept_greedy_batch(batch, logits)
+        sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
+        if not sampled_rows:
+            return greedy
+        probs = batch_target_probs(logits, params)                               # [B, T, V]
+        last, walked = path_from_mask(batch, self._typical_path(batch, probs))
+        u = draw_uniforms(batch, [not p.greedy for p in params], generators)
+        final_dist = probs.gather(1, last[:, None, None].expand(-1, 1, probs.shape[-1]))[:, 0]
+        typical = finish_path(batch, walked, sample_inverse_cdf(final_dist, u[:, -1]), last)
+        if len(sampled_rows) == batch.batch:
+            return typical
+        pick = torch.zeros(batch.batch, dtype=torch.bool)
+        pick[sampled_rows] = True
+        return select_rows(pick.to(probs.device), typical, greedy)
+
+    def _typical_path(self, batch: TreeBatch, probs: torch.Tensor) -> torch.Tensor:
+        """``on_path [B, N]``: the longest all-passing root path (ties: larger log-prob sum, then
+        the earlier node)."""
+        b, n = batch.valid.shape
+        if n == 0:
+            return batch.valid
+        ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)              # [B, T]
         thresh = torch.clamp(self.posterior_alpha * torch.exp(-ent), max=self.posterior_threshold)
-        toks, par = tree.tokens.tolist(), tree.parents.tolist()
-        ok, length, score = {-1: True}, {-1: 0}, {-1: 0.0}
-        best = -1
-        for i in range(len(tree)):                                         # topological order
-            p_row = par[i] + 1
-            px = float(probs[p_row, toks[i]])
-            ok[i] = ok[par[i]] and px > float(thresh[p_row])
-            if not ok[i]:
-                continue
-            length[i], score[i] = length[par[i]] + 1, score[par[i]] + math.log(max(px, 1e-30))
-            if (length[i], score[i]) > (length[best], score[best]):
-                best = i
-        path, n = [], best
-        while n >= 0:
-            path.append(n)
-            n = par[n]
-        path.reverse()
-        final = int(torch.multinomial(probs[best + 1], 1, generator=generator))
-        return AcceptResult(path, [toks[n] for n in path] + [final], bonus=not any(p == best for p in par))
+        rows = torch.arange(b, device=probs.device)
+        px = probs[rows[:, None], batch.parent_entry, batch.node_tokens]         # [B, N]
+        passed = (px > thresh.gather(1, batch.parent_entry)) & batch.valid
+        ok = ~(batch.ancestor & ~passed[:, None, :]).any(-1) & batch.valid      # the whole path passes
+        logp = torch.where(batch.valid, torch.log(px.clamp_min(1e-30)), 0.0)
+        score = (batch.ancestor.float() @ logp[..., None])[..., 0]              # sum of log p on the path
+        length = batch.ancestor.sum(-1)
+        cand = ok & (length == torch.where(ok, length, 0).amax(-1, keepdim=True))
+        best = torch.where(cand, score, float("-inf")).argmax(-1)               # first of the best
+        return batch.ancestor[rows, best] & cand.any(-1, keepdim=True)
 
 
 LOSSLESS = LosslessAcceptance()

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from .acceptance import LOSSLESS, AcceptanceRule
+from .acceptance import LOSSLESS, AcceptanceRule, batched
 from .drafters.base import DraftRequest, Drafter, TargetFeatures
 from .logits import LogitsPipeline, TokenConstraint
 from .logprobs import TokenLogprob, token_logprobs
@@ -40,7 +40,9 @@ from .models.transformer import Transformer
 from .params import SamplingParams
 from .prefix_cache import CacheLayout, PrefixCache, PrefixHit, join_features, num_positions
 from .sampling import make_generator, sample
-from .tree import DraftTree, pack_trees
+from .tree import DraftTree
+from .tree_batch import TreeBatch
+from .verify import BatchAccept
 
 PREFILL_CHUNK = 512
 _ids = itertools.count()
@@ -97,6 +99,7 @@ class Engine:
         self.model = model
         self._drafter = drafter
         self.acceptance = acceptance
+        self._accept_batch = batched(acceptance)
         dtype = next(model.parameters()).dtype
         self.cache = KVCache.for_model(model.cfg, max_batch, max_len, dtype)
         self.eos = set(eos_token_ids)
@@ -316,7 +319,11 @@ class Engine:
     # ------------------------------------------------------------------ one decoding step
     def step(self, budget: int | None = None) -> StepReport:
         """One draft-verify-accept step for every running sequence. ``budget``: draft nodes
-        allowed per sequence this step (None: the drafter's own size; 0: plain decoding)."""
+        allowed per sequence this step (None: the drafter's own size; 0: plain decoding).
+
+        The whole batch is verified in one forward and accepted in one batched call of the
+        acceptance rule (no host reads per node or per row); its result reaches the host in one
+        copy, and the per-row loop only commits and emits what was decided."""
         # Rows in row order: a full batch then reads its KV cache rows as one view, not a gather
         # (after refills ``running`` is in admission order; this was half of a batch-64 step).
         seqs = sorted((s for s in self.running if not s.finished), key=lambda s: s.row)
@@ -324,36 +331,34 @@ class Engine:
         if not seqs:
             return StepReport([], budget, 0, 0, 0.0)
         emitted0 = self.stats.num_emitted_tokens
-        # 1) propose
         t0 = time.perf_counter()
-        trees = self._propose(seqs, budget)
+        trees = self._propose(seqs, budget)                                   # 1) propose
         t1 = time.perf_counter()
-        # 2) verify: one target forward over (root, tree nodes) of every row
-        out, rows = self._verify_forward(seqs, trees)
+        batch, out = self._verify_forward(seqs, trees)                        # 2) verify
         t2 = time.perf_counter()
-        # 3) accept, compact, hand the drafter its tokens and features, emit
-        for b, (seq, tree) in enumerate(zip(seqs, trees)):
-            logits = self._target_rows(seq, out.logits[b, :len(tree) + 1], tree)
-            res = self.acceptance(tree, logits, seq.params, seq.generator)
-            keep = torch.tensor([0] + [n + 1 for n in res.nodes])
-            self.cache.compact(seq.row, keep)
-            committed = [seq.root] + res.tokens[:-1]
-            depth = int(tree.depth.max()) if len(tree) else 0
-            seq.stats.observe(len(tree), depth, res.num_accepted)
-            self.stats.observe(len(tree), depth, res.num_accepted)
-            feats = self._features(out, b, keep)
+        decided = self._accept(seqs, batch, out)                              # 3) accept
+        results = decided.to_host()                                           # the step's one host copy
+        self._commit(seqs, batch, decided, results)                           # 4) compact the caches
+        feats = self._features(out, decided.keep)
+        for b, (seq, res) in enumerate(zip(seqs, results)):                  # 5) hand over, emit
+            n = res.num_accepted + 1
+            self._observe(seq, batch, b, res.num_accepted)
+            row_feats = _row_features(feats, b, n)
             if self._drafter is not None:
-                self._drafter.accept(seq.row, committed, feats)
-            self._log_features(seq, feats)
+                self._drafter.accept(seq.row, [seq.root] + res.tokens[:-1], row_feats)
+            self._log_features(seq, row_feats)
             seq.root = res.tokens[-1]
-            self._emit(seq, res.tokens, self._logprobs(seq, out.logits[b, keep], res.tokens))
+            lp = self._logprobs(seq, out.logits[b, decided.keep[b, :n]], res.tokens) \
+                if seq.params.logprobs is not None else None
+            self._emit(seq, res.tokens, lp)
         t3 = time.perf_counter()
         self.stats.draft_time_s += t1 - t0
         self.stats.verify_time_s += t2 - t1
+        self.stats.overhead_time_s += t3 - t2
         for s in seqs:
             s.stats.draft_time_s += t1 - t0
             s.stats.verify_time_s += t3 - t1
-        return StepReport(seqs, budget, len(seqs) * (1 + max(len(t) for t in trees)),
+        return StepReport(seqs, budget, batch.batch * (1 + batch.num_nodes),
                           self.stats.num_emitted_tokens - emitted0, t3 - t0)
 
     def _propose(self, seqs: list[Sequence], budget: int) -> list[DraftTree]:
@@ -376,20 +381,49 @@ class Engine:
         left_ctx = self.max_context - len(seq.prompt_ids) - len(seq.output_ids)
         return max(0, min(left_tokens, left_ctx) - 1)
 
-    def _verify_forward(self, seqs, trees):
-        """One target forward over (root, tree nodes...) of every row, right-padded (``pack_trees``)."""
+    def _verify_forward(self, seqs: list[Sequence], trees: list[DraftTree]):
+        """One target forward over (root, tree nodes...) of every row, right-padded (``TreeBatch``)."""
         rows = torch.tensor([s.row for s in seqs])
-        tokens, positions, mask = pack_trees(trees, self.cache.lengths[rows], roots=[s.root for s in seqs])
-        layers, want_last = self._feature_request()
-        out = self.model(tokens, positions, self.cache, attn_mask=mask, rows=rows, hidden_layers=layers)
-        return out, rows
+        batch = TreeBatch.pack(trees, self.cache.lengths[rows], [s.root for s in seqs],
+                               device=self.cache.lengths.device, vocab=self.model.cfg.vocab_size)
+        layers, _ = self._feature_request()
+        out = self.model(batch.tokens, batch.positions, self.cache, attn_mask=batch.mask,
+                         rows=rows.to(self.cache.lengths.device), hidden_layers=layers)
+        return batch, out
 
-    def _features(self, out, b: int, keep: torch.Tensor) -> TargetFeatures | None:
+    def _accept(self, seqs: list[Sequence], batch: TreeBatch, out) -> BatchAccept:
+        """The rule's decision for every row, on the rows' processed logits (the request's
+        processors run only for requests that have any; others pass through untouched)."""
+        logits = out.logits
+        active = [b for b, s in enumerate(seqs) if s.pipeline.active(len(s.output_ids))]
+        if active:
+            logits = logits.float().clone()
+            trees = [DraftTree(batch.node_tokens[b, :n], batch.parent_entry[b, :n] - 1)
+                     for b, n in enumerate(batch.sizes)]
+            for b in active:
+                n = batch.sizes[b] + 1
+                logits[b, :n] = self._target_rows(seqs[b], logits[b, :n], trees[b])
+        return self._accept_batch(batch, logits, [s.params for s in seqs], [s.generator for s in seqs])
+
+    def _commit(self, seqs: list[Sequence], batch: TreeBatch, decided: BatchAccept,
+                results: list) -> None:
+        """Commit every row's root and accepted nodes to its cache row."""
+        for seq, res, keep in zip(seqs, results, decided.keep):
+            self.cache.compact(seq.row, keep[:res.num_accepted + 1])
+
+    def _observe(self, seq: Sequence, batch: TreeBatch, b: int, accepted: int) -> None:
+        seq.stats.observe(batch.sizes[b], batch.depths[b], accepted)
+        self.stats.observe(batch.sizes[b], batch.depths[b], accepted)
+
+    def _features(self, out, keep: torch.Tensor) -> TargetFeatures | None:
+        """Target features of every row's kept entries ``keep [B, D + 1]`` (rows cut later)."""
         layers, want_last = self._feature_request()
         if not layers and not want_last:
             return None
-        return TargetFeatures({i: out.hidden[i][b, keep] for i in layers},
-                              out.last_hidden[b, keep] if want_last else None)
+        idx = keep[..., None]
+        pick = lambda x: torch.gather(x, 1, idx.expand(-1, -1, x.shape[-1]))  # noqa: E731
+        return TargetFeatures({i: pick(out.hidden[i]) for i in layers},
+                              pick(out.last_hidden) if want_last else None)
 
     # ------------------------------------------------------------------ output and retirement
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
@@ -446,3 +480,11 @@ class Engine:
                 self.add_many(batch)
             self.step()
         return seqs
+
+
+def _row_features(feats: TargetFeatures | None, b: int, n: int) -> TargetFeatures | None:
+    """Row ``b``'s first ``n`` kept positions of batched features."""
+    if feats is None:
+        return None
+    return TargetFeatures({i: h[b, :n] for i, h in feats.hidden.items()},
+                          feats.last_hidden[b, :n] if feats.last_hidden is not None else None)

@@ -181,6 +181,12 @@ class LogitsPipeline:
             procs.append(MinTokens(params.min_tokens, ends))
         return cls(params, tuple(procs), constraint)
 
+    def active(self, num_output: int) -> bool:
+        """Whether ``process`` changes anything for a request with ``num_output`` tokens so far
+        (False: its target rows pass through untouched)."""
+        return self.constraint is not None or any(
+            not isinstance(p, MinTokens) or p.min_tokens > num_output for p in self.processors)
+
     def process(self, logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
                 tree: DraftTree | None = None) -> torch.Tensor:
         """Processed target rows: ``logits [N+1, V]`` of (root, tree nodes...), or ``[1, V]`` for

@@ -21,6 +21,8 @@ class SpecStats:
     drafted_per_pos: list[int] = field(default_factory=list)   # steps whose tree reached depth i+1
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    overhead_time_s: float = 0.0     # engine-wide: a step's time after the verify forward (acceptance,
+                                     # cache compaction, drafter hand-over, emission)
     acceptance: str = "lossless"     # the engine's acceptance rule (``acceptance.AcceptanceRule.name``)
     lossy: bool = False              # True: that rule does not keep the target distribution
 
@@ -38,7 +40,7 @@ class SpecStats:
 
     def merge(self, other: "SpecStats") -> None:
         for name in ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "num_emitted_tokens", "draft_time_s", "verify_time_s"):
+                     "num_emitted_tokens", "draft_time_s", "verify_time_s", "overhead_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.accepted_per_pos, other.accepted_per_pos),
                              (self.drafted_per_pos, other.drafted_per_pos)):
@@ -66,6 +68,7 @@ class SpecStats:
             "accepted_per_pos": list(self.accepted_per_pos),
             "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
             "draft_time_s": self.draft_time_s, "verify_time_s": self.verify_time_s,
+            "overhead_time_s": self.overhead_time_s,
             "acceptance": self.acceptance, "lossy": self.lossy,
         }
 

@@ -1,4 +1,4 @@
-"""Acceptance of a verified draft tree: greedy and lossless rejection sampling.
+"""Acceptance of verified draft trees, for a whole batch at once: greedy and lossless rejection sampling.
 
 Terms, defined once:
 - **accepted** tokens: draft tokens the verifier keeps, a path from the root down the tree.
@@ -15,17 +15,34 @@ deterministic drafter has q = one-hot(x). For any proposal distributions (also o
 earlier siblings, like sampling without replacement) the emitted tokens follow the target exactly.
 Greedy (temperature 0): follow the child equal to the target argmax, then the argmax is the bonus.
 
-Random draws, in order: one uniform per child tried, then one multinomial draw for the final token.
+How it is batched (``TreeBatch`` holds the structure; no host reads until ``BatchAccept.to_host``):
+1. Every node gets its own uniform u. For each sibling rank k (one group of tensor operations per
+   rank, all parents of the batch at once), child c of parent entry e is tested against the
+   residual of e left after its first k children were rejected, ``u_c q_c(x) < P_k[e](x)``, and
+   then ``P_{k+1}[e] = norm(relu(P_k[e] - q_c))``. A test only matters when the earlier siblings
+   failed, and then it is exactly the sequential test.
+2. A node is *chosen* when its test passes and no earlier sibling's does; it is *on the path* when
+   it and all its ancestors are chosen (one masked reduction over the ancestor matrix).
+3. The last accepted entry is the deepest node on the path (0: the root). The final token is drawn
+   from its residual after all its children (the target itself when it has none) by inverse CDF
+   with the row's last uniform.
+Random draws per row, from the request's generator: ``len(tree) + 1`` uniforms in one call (node
+i's test uses the i-th, the final token the last); greedy rows draw nothing. So a request's draws
+depend on its own tree only, never on the batch it shares a step with.
 Knows nothing about models or drafters.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from .sampling import SamplingParams, target_probs
 from .tree import DraftTree
+from .tree_batch import TreeBatch
+
+RESIDUAL_EPS = 1e-12    # a residual summing to no more than this is left as it was (p)
 
 
 @dataclass(frozen=True)
@@ -39,19 +56,194 @@ class AcceptResult:
         return len(self.nodes)
 
 
+@dataclass(frozen=True)
+class BatchAccept:
+    """Acceptance of a whole batch, on the device. ``nodes [B, D]``: accepted node indices, root
+    to leaf, -1 after ``num_accepted``; ``keep [B, D + 1]``: entries to commit (0 = the root, node
+    i = i + 1), 0 past ``num_accepted + 1``; ``tokens [B, D + 1]``: accepted tokens then the
+    final one at column ``num_accepted``, -1 after; ``bonus [B]``."""
+    num_accepted: torch.Tensor
+    nodes: torch.Tensor
+    keep: torch.Tensor
+    tokens: torch.Tensor
+    bonus: torch.Tensor
+
+    @staticmethod
+    def from_results(results: Sequence[AcceptResult], depth: int, device: torch.device | str) -> "BatchAccept":
+        """Pack per-row results (a rule without ``accept_batch``) into the batched layout."""
+        b = len(results)
+        nodes = torch.full((b, depth), -1, dtype=torch.long)
+        tokens = torch.full((b, depth + 1), -1, dtype=torch.long)
+        for i, r in enumerate(results):
+            nodes[i, :r.num_accepted] = torch.tensor(r.nodes, dtype=torch.long)
+            tokens[i, :len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
+        keep = torch.cat([torch.zeros(b, 1, dtype=torch.long), nodes + 1], 1)
+        num = torch.tensor([r.num_accepted for r in results], dtype=torch.long)
+        bonus = torch.tensor([r.bonus for r in results], dtype=torch.bool)
+        return BatchAccept(*(x.to(device) for x in (num, nodes, keep, tokens, bonus)))
+
+    def to_host(self) -> list[AcceptResult]:
+        """The one host copy of a step: every row's ``AcceptResult``."""
+        packed = torch.cat([self.num_accepted[:, None], self.bonus[:, None].long(), self.nodes, self.tokens], 1)
+        d = self.nodes.shape[1]
+        out = []
+        for row in packed.tolist():
+            n = row[0]
+            out.append(AcceptResult(row[2:2 + n], row[2 + d:2 + d + n + 1], bool(row[1])))
+        return out
+
+
+# ------------------------------------------------------------------ batched rules
+def accept_batch(batch: TreeBatch, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None]) -> BatchAccept:
+    """Lossless acceptance of every row: greedy rows follow the argmax, sampled rows do recursive
+    rejection sampling. ``logits [B, T, V]``: the processed target rows (root, nodes..., padding)."""
+    greedy = accept_greedy_batch(batch, logits)
+    sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
+    if not sampled_rows:
+        return greedy
+    probs = batch_target_probs(logits, params)
+    u = draw_uniforms(batch, [not p.greedy for p in params], generators)
+    sampled = accept_from_probs_batch(batch, probs, u)
+    if len(sampled_rows) == batch.batch:
+        return sampled
+    pick = torch.zeros(batch.batch, dtype=torch.bool)
+    pick[sampled_rows] = True
+    return select_rows(pick.to(logits.device), sampled, greedy)
+
+
+def accept_greedy_batch(batch: TreeBatch, logits: torch.Tensor) -> BatchAccept:
+    """Greedy acceptance: a node passes when its token is the target argmax at its parent."""
+    best = logits.argmax(-1)                                                   # [B, T]
+    passed = (batch.node_tokens == best.gather(1, batch.parent_entry)) & batch.valid
+    last, result = _walk(batch, passed)
+    return finish_path(batch, result, best.gather(1, last[:, None])[:, 0], last)
+
+
+def accept_from_probs_batch(batch: TreeBatch, probs: torch.Tensor, u: torch.Tensor) -> BatchAccept:
+    """Recursive rejection sampling given target distributions ``probs [B, T, V]`` (warped) and
+    uniforms ``u [B, N + 1]`` (node i's test: column i; the final draw: column N)."""
+    resid = probs.float().clone()
+    passed = torch.zeros_like(batch.valid)
+    q = batch.q
+    for rows, par, kid in batch.rank_groups:
+        x = batch.node_tokens[rows, kid]
+        p_rows = resid[rows, par]                                              # [M, V]
+        px = p_rows.gather(1, x[:, None])[:, 0]
+        qx = q[rows, kid].gather(1, x[:, None])[:, 0] if q is not None else torch.ones_like(px)
+        passed[rows, kid] = u[rows, kid] * qx < px
+        if q is not None:
+            r = (p_rows - q[rows, kid]).clamp_min_(0.0)
+        else:
+            r = p_rows.scatter(1, x[:, None], 0.0)
+        s = r.sum(-1, keepdim=True)
+        resid[rows, par] = torch.where(s > RESIDUAL_EPS, r / s.clamp_min(RESIDUAL_EPS), p_rows)
+    last, result = _walk(batch, passed)
+    final_dist = resid.gather(1, last[:, None, None].expand(-1, 1, resid.shape[-1]))[:, 0]
+    return finish_path(batch, result, sample_inverse_cdf(final_dist, u[:, -1]), last)
+
+
+# ------------------------------------------------------------------ shared steps
+def _walk(batch: TreeBatch, passed: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """From per-node test results to the accepted path: a node is chosen when it passed and no
+    earlier sibling did; the path is the chosen nodes all of whose ancestors are chosen."""
+    if passed.shape[1] == 0:
+        return path_from_mask(batch, passed)
+    blocked = (batch.earlier_sibling & passed[:, None, :]).any(-1)
+    chosen = passed & ~blocked
+    return path_from_mask(batch, ~(batch.ancestor & ~chosen[:, None, :]).any(-1) & batch.valid)
+
+
+def path_from_mask(batch: TreeBatch, on_path: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``on_path [B, N]`` (a root path per row) -> (last entry [B] (0: the root), (num_accepted
+    [B], nodes [B, D] in root-to-leaf order, -1 after))."""
+    b, n = on_path.shape
+    dev = on_path.device
+    d = batch.max_depth
+    if n == 0:
+        zeros = torch.zeros(b, dtype=torch.long, device=dev)
+        return zeros, (zeros, torch.zeros(b, 0, dtype=torch.long, device=dev))
+    num = on_path.sum(-1)
+    col = torch.arange(n, device=dev)
+    last = torch.where(on_path, col + 1, 0).amax(-1)                          # deepest = highest index
+    order = torch.where(on_path, col, n + col).sort(-1).values[:, :d]         # path nodes first, in order
+    nodes = torch.where(torch.arange(d, device=dev)[None] < num[:, None], order, -1)
+    return last, (num, nodes)
+
+
+def finish_path(batch: TreeBatch, walked: tuple[torch.Tensor, torch.Tensor], final: torch.Tensor,
+            last: torch.Tensor) -> BatchAccept:
+    num, nodes = walked
+    b, d = nodes.shape
+    dev = nodes.device
+    acc_tokens = batch.node_tokens.gather(1, nodes.clamp_min(0)) if d else nodes
+    tokens = torch.cat([torch.where(nodes >= 0, acc_tokens, -1), torch.full((b, 1), -1, device=dev)], 1)
+    tokens = tokens.scatter(1, num[:, None], final[:, None].long())
+    keep = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), nodes.clamp_min(-1) + 1], 1)
+    bonus = ~batch.has_children.gather(1, last[:, None])[:, 0]
+    return BatchAccept(num, nodes, keep, tokens, bonus)
+
+
+def select_rows(pick: torch.Tensor, a: BatchAccept, b: BatchAccept) -> BatchAccept:
+    """Row-wise choice: ``a``'s rows where ``pick [B]`` is True, else ``b``'s."""
+    m = pick[:, None]
+    return BatchAccept(torch.where(pick, a.num_accepted, b.num_accepted), torch.where(m, a.nodes, b.nodes),
+                       torch.where(m, a.keep, b.keep), torch.where(m, a.tokens, b.tokens),
+                       torch.where(pick, a.bonus, b.bonus))
+
+
+def sample_inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``dist [M, V]`` (non-negative, any positive sum) from uniforms
+    ``u [M]`` in [0, 1): the first index whose cumulative mass exceeds u * total. Never a
+    zero-probability token."""
+    cum = dist.float().cumsum(-1)
+    idx = torch.searchsorted(cum, (u.float() * cum[:, -1])[:, None], right=True)[:, 0]
+    col = torch.arange(dist.shape[-1], device=dist.device)
+    last_nonzero = torch.where(dist > 0, col, 0).amax(-1)
+    return torch.minimum(idx, last_nonzero)
+
+
+def batch_target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``target_probs`` of every row of ``logits [B, T, V]`` with its request's warpers: one call
+    per distinct (temperature, top_k, min_p, top_p) among the requests."""
+    groups: dict[tuple, list[int]] = {}
+    for b, p in enumerate(params):
+        key = (p.greedy, p.temperature, p.top_k, p.min_p, p.top_p)
+        groups.setdefault(key, []).append(b)
+    if len(groups) == 1:
+        return target_probs(logits, params[0])
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for rows in groups.values():
+        idx = torch.tensor(rows, device=logits.device)
+        out[idx] = target_probs(logits[idx], params[rows[0]])
+    return out
+
+
+def draw_uniforms(batch: TreeBatch, draw: Sequence[bool],
+                  generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """``u [B, N + 1]``: for each row with ``draw[b]``, ``sizes[b] + 1`` draws from its generator
+    (nodes, then the final draw in column N); other rows (greedy) draw nothing (0.5, unused)."""
+    b, n = batch.batch, batch.num_nodes
+    u = torch.full((b, n + 1), 0.5, dtype=torch.float32, device=batch.device)
+    for row, (want, g) in enumerate(zip(draw, generators)):
+        if not want:
+            continue
+        size = batch.sizes[row]
+        dev = g.device if g is not None else batch.device
+        draws = torch.rand(size + 1, generator=g, device=dev).to(batch.device)
+        u[row, :size] = draws[:size]
+        u[row, n] = draws[size]
+    return u
+
+
+# ------------------------------------------------------------------ one tree (tests, tools)
+def _one(tree: DraftTree, root: int = 0) -> TreeBatch:
+    return TreeBatch.pack([tree], [0], [root])
+
+
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
     """``logits [N+1, V]`` of (root, nodes...) from the verify forward."""
-    best = logits.argmax(-1).tolist()
-    kids = tree.children()
-    toks = tree.tokens.tolist()
-    cur, nodes = -1, []
-    while True:
-        nxt = next((c for c in kids[cur + 1] if toks[c] == best[cur + 1]), None)
-        if nxt is None:
-            break
-        nodes.append(nxt)
-        cur = nxt
-    return AcceptResult(nodes, [toks[n] for n in nodes] + [best[cur + 1]], bonus=not kids[cur + 1])
+    return accept_greedy_batch(_one(tree), logits[None]).to_host()[0]
 
 
 def accept_sampled(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
@@ -63,43 +255,12 @@ def accept_sampled(tree: DraftTree, logits: torch.Tensor, params: SamplingParams
 def accept_from_probs(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> AcceptResult:
     """Recursive rejection sampling given target distributions ``probs [N+1, V]`` of
     (root, nodes...) already processed by temperature / top-k / top-p."""
-    kids = tree.children()
-    toks = tree.tokens.tolist()
-    cur, nodes = -1, []
-    while True:
-        p = probs[cur + 1]
-        residual = False
-        chosen = None
-        for c in kids[cur + 1]:
-            x = toks[c]
-            qx = 1.0 if tree.q is None else float(tree.q[c, x])
-            u = float(torch.rand((), generator=generator))
-            if u * qx < float(p[x]):
-                chosen = c
-                break
-            p = _residual(p, tree.q[c] if tree.q is not None else None, x)
-            residual = True
-        if chosen is None:
-            final = int(torch.multinomial(p, 1, generator=generator))
-            return AcceptResult(nodes, [toks[n] for n in nodes] + [final], bonus=not residual)
-        nodes.append(chosen)
-        cur = chosen
-
-
-def _residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
-    """norm(relu(p - q)); q None = one-hot at x."""
-    if q is None:
-        r = p.clone()
-        r[x] = 0.0
-    else:
-        r = (p - q).clamp_min_(0.0)
-    s = float(r.sum())
-    return r / s if s > 1e-12 else p
+    batch = _one(tree)
+    u = draw_uniforms(batch, [True], [generator])
+    return accept_from_probs_batch(batch, probs[None], u).to_host()[0]
 
 
 def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator | None) -> AcceptResult:
     """Dispatch on the request's temperature."""
-    if params.greedy:
-        return accept_greedy(tree, logits)
-    return accept_sampled(tree, logits, params, generator)
+    return accept_batch(_one(tree), logits[None], [params], [generator]).to_host()[0]

@@ -1,0 +1,150 @@
+"""Per-step time outside the draft and target forwards, before and after batched acceptance.
+
+A step is propose + verify forward + the rest (acceptance, cache compaction, drafter hand-over,
+emission). This script times all three from outside the engine (wrapping the target's forward
+and the drafter's propose), so it runs unchanged on any verispec source tree: the driver runs a
+worker subprocess per source tree (``--src DIR`` with ``PYTHONPATH=DIR``), interleaved round by
+round, and reports medians per step of the "rest".
+
+    python benchmarks/step_overhead.py --src /path/before/src --src src --label before --label after
+
+Results: ``benchmarks/results/step_overhead.{json,md}``. Target: SmolLM2-135M fp16-packed, 2 threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = [   # (name, speculative_config, temperature, batch)
+    ("eagle3 dynamic tree (<=60 nodes), greedy", {"method": "eagle3"}, 0.0, 1),
+    ("eagle3 dynamic tree (<=60 nodes), T=0.8", {"method": "eagle3"}, 0.8, 1),
+    ("eagle3 demo tree (4 nodes), greedy, batch 4", {"method": "eagle3", "topk": 2, "depth": 3,
+                                                     "num_draft_tokens": 4}, 0.0, 4),
+    ("eagle3 demo tree (4 nodes), T=0.8, batch 4", {"method": "eagle3", "topk": 2, "depth": 3,
+                                                    "num_draft_tokens": 4}, 0.8, 4),
+    ("ngram chain of 5, greedy", {"method": "ngram", "num_speculative_tokens": 5}, 0.0, 1),
+]
+
+
+def worker(max_tokens: int, prompts: int) -> dict:
+    """Time every step of each config on this process's verispec; print JSON."""
+    import torch
+    from verispec import LLM, SamplingParams
+    from verispec.data import per_category, spec_bench_questions
+    from verispec.models.loading import load_model
+    torch.set_num_threads(2)
+    target = load_model("smollm2-135m", weights="fp16")
+    tok = target.tokenizer
+    qs = per_category(spec_bench_questions(), 1)[:prompts]
+    ids = [tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
+                                       add_generation_prompt=True), add_special_tokens=False).input_ids for q in qs]
+    out = {}
+    for name, spec, temp, batch in CONFIGS:
+        llm = LLM(loaded=target, speculative_config=spec, max_num_seqs=batch)
+        rest, fwd, prop = [], [], []
+        for start in range(0, len(ids), batch):
+            chunk = ids[start:start + batch]
+            params = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=start)
+            seqs = [llm.new_sequence(p, params)[0] for p in chunk]
+            engine = llm.make_engine(len(seqs), max(len(p) for p in chunk) + max_tokens)
+            engine.add_many(seqs)
+            timer = _wrap(engine)
+            while engine.num_running:
+                timer.reset()
+                t0 = time.perf_counter()
+                engine.step()
+                total = time.perf_counter() - t0
+                rest.append(total - timer.forward - timer.propose)
+                fwd.append(timer.forward)
+                prop.append(timer.propose)
+        out[name] = {"steps": len(rest), "rest_ms": 1e3 * statistics.median(rest),
+                     "forward_ms": 1e3 * statistics.median(fwd), "propose_ms": 1e3 * statistics.median(prop),
+                     "rest_mean_ms": 1e3 * statistics.fmean(rest)}
+    return out
+
+
+class _Timer:
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.forward = self.propose = 0.0
+
+
+def _wrap(engine) -> _Timer:
+    """Time the target forward (the engine's model call) and the drafter's propose."""
+    timer = _Timer()
+    model, drafter = engine.model, engine.drafter
+
+    def timed(fn, attr):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                setattr(timer, attr, getattr(timer, attr) + time.perf_counter() - t0)
+        return call
+    model.forward = timed(type(model).forward.__get__(model), "forward")
+    if drafter is not None:
+        drafter.propose = timed(type(drafter).propose.__get__(drafter), "propose")
+    return timer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--src", action="append", help="a verispec src folder (repeat)")
+    ap.add_argument("--label", action="append", help="a name for each --src")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(HERE / "results" / "step_overhead"))
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(worker(a.max_tokens, a.prompts)))
+        return
+    runs: dict[str, list[dict]] = {lab: [] for lab in a.label}
+    for r in range(a.rounds):
+        for src, lab in zip(a.src, a.label):
+            env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()), OMP_WAIT_POLICY="PASSIVE")
+            res = subprocess.run([sys.executable, __file__, "--worker", "--max-tokens", str(a.max_tokens),
+                                  "--prompts", str(a.prompts)], env=env, capture_output=True, text=True, check=True)
+            runs[lab].append(json.loads(res.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1} {lab}: done", flush=True)
+    _report(runs, a)
+
+
+def _report(runs: dict[str, list[dict]], a) -> None:
+    labels = list(runs)
+    names = list(runs[labels[0]][0])
+    med = {lab: {n: {k: statistics.median(run[n][k] for run in runs[lab]) for k in runs[lab][0][n]}
+                 for n in names} for lab in labels}
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out + ".json").write_text(json.dumps({"machine": machine, "rounds": a.rounds,
+                                                 "max_tokens": a.max_tokens, "prompts": a.prompts,
+                                                 "runs": runs, "median": med}, indent=1))
+    lines = [f"# Step overhead: time per step outside the draft and target forwards", "",
+             f"Machine: {machine}. SmolLM2-135M fp16-packed, 2 threads, {a.prompts} Spec-Bench prompts, "
+             f"{a.max_tokens} tokens, median over steps, then over {a.rounds} interleaved rounds.", "",
+             "| config | " + " | ".join(f"{lab}: rest ms/step" for lab in labels) + " | ratio | forward ms | propose ms |",
+             "|---|" + "---|" * (len(labels) + 3)]
+    for n in names:
+        rest = [med[lab][n]["rest_ms"] for lab in labels]
+        lines.append(f"| {n} | " + " | ".join(f"{x:.2f}" for x in rest) +
+                     f" | {rest[0] / rest[-1]:.2f}x | {med[labels[-1]][n]['forward_ms']:.1f} | "
+                     f"{med[labels[-1]][n]['propose_ms']:.1f} |")
+    Path(a.out + ".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
