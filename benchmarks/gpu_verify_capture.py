@@ -6,16 +6,17 @@ chain: causal tree mask given, as the engine passes one), with rows at ragged le
 ``--reps``):
 - ``eager_exact``: today's call, no ``kv_len`` (the attended length is read from the device: a sync);
 - ``eager``: bucketed ``kv_len = cache.kv_len(rows, T)`` (multiples of 64), no sync;
-- ``cuda_graph``: that forward captured once with ``torch.cuda.graph`` over static input buffers
-  (tokens, positions, mask; the cache's K/V and lengths are static already) and replayed after
-  copying the step's inputs in;
+- ``cuda_graph``: that forward captured once by ``models.graphs.GraphedForward`` (a CUDA graph
+  over preallocated tokens, positions and mask; the cache's K/V and lengths are static already)
+  and replayed after copying the step's inputs in;
 - ``compiled``: ``torch.compile(fullgraph=True, dynamic=False, mode="reduce-overhead")`` of the
   same forward (inductor kernels replayed by CUDA-graph trees), compile time reported apart.
 Each captured variant's logits are compared with eager's (max abs difference, reported), and a
 second step with other row lengths inside the same bucket is replayed to show the graph is reused.
 
 Without CUDA (``--device cpu``, or no GPU) it says so, skips the CUDA-only variants and times the
-eager ones, so the script is exercised by the tests (``--tiny``: a random 2-layer model).
+eager ones; ``--cpu-standins`` runs them through CPU stand-ins instead (``eager_capture``,
+``backend="eager"``) so the tests exercise the whole script (``--tiny``: a random 2-layer model).
 
     python benchmarks/gpu_verify_capture.py                  # on a CUDA machine
     python benchmarks/gpu_verify_capture.py --tiny --device cpu --reps 3 --out /tmp/x
@@ -38,6 +39,8 @@ from machine import machine_info, parse_result_args, write_result  # noqa: E402
 BATCHES = (1, 8)
 TREE_TOKENS = (1, 4, 8, 16, 32)
 SKIP_MSG = "CUDA is not available: skipping the CUDA-graph and torch.compile(reduce-overhead) variants"
+STANDIN_MSG = ("CUDA is not available: CUDA graphs replaced by GraphedForward's eager_capture and "
+               "reduce-overhead by backend='eager' (checks of this script and of the logits, not a measurement)")
 
 
 def load(args):
@@ -84,77 +87,76 @@ class Step:
         return self.model(tokens, positions, self.cache, attn_mask=mask, kv_len=kv_len).logits
 
 
-def timed(fn, reps: int, sync) -> float:
-    """Median wall-clock ms of ``fn`` over ``reps`` calls, each synchronised."""
+def timed(fn, reps: int, wait) -> float:
+    """Median wall-clock ms of ``fn`` over ``reps`` calls, each followed by ``wait()`` (a sync)."""
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        sync()
+        wait()
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
 
 
-def cuda_graph(step: Step, positions: torch.Tensor):
-    """(replay(tokens, positions, mask) -> logits, capture seconds): a CUDA graph of the bucketed
-    forward over static input buffers."""
-    s_tok, s_pos, s_mask = step.tokens.clone(), positions.clone(), step.mask.clone()
+def graphed(step: Step, positions: torch.Tensor, cuda: bool):
+    """(fn(tokens, positions, mask) -> logits, capture seconds, graphs held ()): ``GraphedForward``
+    (a CUDA graph over preallocated inputs; on the CPU its ``eager_capture`` stand-in)."""
+    from verispec.models.graphs import GraphedForward, cuda_capture, eager_capture
+    graphs = GraphedForward(step.model, step.cache, capture=cuda_capture if cuda else eager_capture)
     t0 = time.perf_counter()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):                                   # warm up kernels and the allocator
-            step.eager(s_tok, s_pos, s_mask, step.kv_len)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        s_out = step.eager(s_tok, s_pos, s_mask, step.kv_len)
-    torch.cuda.synchronize()
-    capture_s = time.perf_counter() - t0
-
-    def replay(tokens, positions, mask):
-        s_tok.copy_(tokens)
-        s_pos.copy_(positions)
-        s_mask.copy_(mask)
-        graph.replay()
-        return s_out
-    return replay, capture_s
+    graphs(step.tokens, positions, step.kv_len, attn_mask=step.mask)         # capture, first replay
+    sync(cuda)
+    return (lambda tok, pos, mask: graphs(tok, pos, step.kv_len, attn_mask=mask).logits,
+            time.perf_counter() - t0, lambda: len(graphs))
 
 
-def compiled(step: Step, positions: torch.Tensor):
-    """(fn(tokens, positions, mask) -> logits, compile seconds) via reduce-overhead."""
+def compiled(step: Step, positions: torch.Tensor, cuda: bool):
+    """(fn(tokens, positions, mask) -> logits, compile seconds, graphs compiled ()): ``torch.compile``
+    with mode="reduce-overhead" (inductor + CUDA-graph trees; on the CPU backend="eager")."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.config.recompile_limit = 64               # one compile per (B, T): more than 8
+    before = counters["stats"]["unique_graphs"]
+    opts = {"mode": "reduce-overhead"} if cuda else {"backend": "eager"}
     fn = torch.compile(lambda tok, pos, mask, kv: step.eager(tok, pos, mask, kv),
-                       mode="reduce-overhead", fullgraph=True, dynamic=False)
+                       fullgraph=True, dynamic=False, **opts)
     t0 = time.perf_counter()
     for _ in range(3):                                       # compile, warm up, record the graph
         fn(step.tokens, positions, step.mask, step.kv_len)
-    torch.cuda.synchronize()
-    return (lambda tok, pos, mask: fn(tok, pos, mask, step.kv_len)), time.perf_counter() - t0
+    sync(cuda)
+    return (lambda tok, pos, mask: fn(tok, pos, mask, step.kv_len), time.perf_counter() - t0,
+            lambda: counters["stats"]["unique_graphs"] - before)
+
+
+def sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
 
 
 def measure_one(model, b: int, t: int, args) -> dict:
     step = Step(model, b, t, args)
     pos = step.positions()
     cuda = args.device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     row = {"B": b, "T": t, "kv_len": step.kv_len}
+    wait = lambda: sync(cuda)                                # noqa: E731
     with torch.no_grad():
         ref = step.eager(step.tokens, pos, step.mask).float()
-        row["eager_exact_ms"] = timed(lambda: step.eager(step.tokens, pos, step.mask), args.reps, sync)
-        row["eager_ms"] = timed(lambda: step.eager(step.tokens, pos, step.mask, step.kv_len), args.reps, sync)
+        row["eager_exact_ms"] = timed(lambda: step.eager(step.tokens, pos, step.mask), args.reps, wait)
+        row["eager_ms"] = timed(lambda: step.eager(step.tokens, pos, step.mask, step.kv_len), args.reps, wait)
         row["eager_max_abs_diff"] = (step.eager(step.tokens, pos, step.mask, step.kv_len).float() - ref).abs().max().item()
-        if not cuda:
+        if not (cuda or args.cpu_standins):
             return row
-        for name, make in (("cuda_graph", cuda_graph), ("compiled", compiled)):
+        for name, make in (("cuda_graph", graphed), ("compiled", compiled)):
             try:
-                fn, setup_s = make(step, pos)
+                fn, setup_s, graphs = make(step, pos, cuda)
             except Exception as e:                          # report, go on with the other variant
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
                 continue
             row[f"{name}_setup_s"] = setup_s
             row[f"{name}_max_abs_diff"] = (fn(step.tokens, pos, step.mask).float() - ref).abs().max().item()
-            row[f"{name}_ms"] = timed(lambda: fn(step.tokens, pos, step.mask), args.reps, sync)
+            row[f"{name}_ms"] = timed(lambda: fn(step.tokens, pos, step.mask), args.reps, wait)
             row[f"{name}_reused"] = reuse_check(step, fn)
+            row[f"{name}_graphs"] = graphs()                 # 1: the second step reused the graph
     return row
 
 
@@ -186,10 +188,13 @@ def write_md(results: dict, path: str) -> None:
         ratio = [f"{r['eager_exact_ms'] / r[c]:.2f}" if c in r else "-" for c in ("cuda_graph_ms", "compiled_ms")]
         lines.append(f"| {r['B']} | {r['T']} | {r['kv_len']} | " + " | ".join(cells + ratio) + " |")
     errs = [f"- B={r['B']} T={r['T']} {k}: {v}" for r in results["rows"] for k, v in r.items() if k.endswith("_error")]
-    diffs = [f"{k}={r[k]:.2e}" for r in results["rows"] for k in r if k.endswith(("_diff", "_reused"))
-             and r[k] is not None]
-    lines += ["", "Speed-ups (x) are over `eager_exact` (today's call). Max |logits - eager_exact|: "
-              + (", ".join(sorted(set(diffs))[:12]) or "-") + " (full list in the JSON).", ""]
+    rows = results["rows"]
+    kinds = sorted({k for r in rows for k in r if k.endswith(("_diff", "_reused"))})
+    diffs = [f"{k} {max(r[k] for r in rows if r.get(k) is not None):.2e}" for k in kinds]
+    graphs = sorted({f"{k[:-7]} {r[k]}" for r in rows for k in r if k.endswith("_graphs")})
+    lines += ["", "Speed-ups (x) are over `eager_exact` (today's call). Largest |logits - eager_exact| "
+              "(`_reused`: a second step, rows one token longer, same bucket): " + (", ".join(diffs) or "-")
+              + ". Graphs per (B, T) after that second step: " + (", ".join(graphs) or "-") + ".", ""]
     if errs:
         lines += ["Errors:", *errs, ""]
     Path(path).write_text("\n".join(lines))
@@ -205,11 +210,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--tree-tokens", default=",".join(map(str, TREE_TOKENS)))
+    ap.add_argument("--cpu-standins", action="store_true",
+                    help="without CUDA, run the captured variants' CPU stand-ins (tests)")
     args = parse_result_args(ap, "gpu_verify_capture", write_md)
     if args is None:
         return
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    note = None if args.device == "cuda" else SKIP_MSG
+    note = None if args.device == "cuda" else (STANDIN_MSG if args.cpu_standins else SKIP_MSG)
     if note:
         print(note)
     model = load(args)

@@ -172,7 +172,7 @@ def test_verify_forward_compiles_whole_and_reuses_its_graph(single_thread):
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
     model = MODELS["llama"]()
-    cache = KVCache.for_model(model.cfg, 2, 64)
+    cache = KVCache.for_model(model.cfg, 2, 64).mark_static_addresses()
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (2, 5), generator=g)
     trees = [random_tree(4, g), random_tree(3, g)]
@@ -199,8 +199,9 @@ def test_verify_forward_compiles_whole_and_reuses_its_graph(single_thread):
 
 
 def test_gpu_capture_benchmark_runs_its_cpu_fallback(tmp_path, monkeypatch, single_thread):
-    """benchmarks/gpu_verify_capture.py on a tiny model without CUDA: says it skips the CUDA-only
-    variants, times eager ones, and the bucketed logits equal today's."""
+    """benchmarks/gpu_verify_capture.py on a tiny model without CUDA, with its CPU stand-ins for the
+    captured variants: it says so, and every variant's logits (a second step in the same bucket
+    included) equal today's forward."""
     import importlib.util
     import json
     import sys
@@ -210,10 +211,15 @@ def test_gpu_capture_benchmark_runs_its_cpu_fallback(tmp_path, monkeypatch, sing
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "capture"
-    monkeypatch.setattr(sys, "argv", ["x", "--tiny", "--device", "cpu", "--reps", "2", "--context", "40",
-                                      "--batches", "1,3", "--tree-tokens", "1,5", "--out", str(out)])
+    monkeypatch.setattr(sys, "argv", ["x", "--tiny", "--device", "cpu", "--cpu-standins", "--reps", "2",
+                                      "--context", "40", "--batches", "1,3", "--tree-tokens", "4", "--out", str(out)])
     mod.main()
     res = json.loads(out.with_suffix(".json").read_text())
-    assert res["note"] == mod.SKIP_MSG and len(res["rows"]) == 4
-    assert all(r["eager_max_abs_diff"] < 1e-5 and "cuda_graph_ms" not in r for r in res["rows"])
-    assert "skipping" in out.with_suffix(".md").read_text()
+    assert res["note"] == mod.STANDIN_MSG and len(res["rows"]) == 2
+    for r in res["rows"]:
+        assert not [k for k in r if k.endswith("_error")], r
+        diffs = [r[k] for k in ("eager_max_abs_diff", "cuda_graph_max_abs_diff", "compiled_max_abs_diff",
+                                "cuda_graph_reused", "compiled_reused")]
+        assert max(diffs) < 1e-5, r
+        assert r["cuda_graph_graphs"] == r["compiled_graphs"] == 1, r
+    assert "not a measurement" in out.with_suffix(".md").read_text()

@@ -79,9 +79,9 @@ class KVCache:
             raise CacheFullError(f"KV cache holds {self.max_len} slots per sequence, {need} needed")
 
     def select(self, rows: Rows | None, batch: int) -> tuple[torch.Tensor, slice | torch.Tensor]:
-        """(index [B] long on the cache device, selector for ``read``): the selector is a slice
-        when the rows are consecutive, decided on the host (``None`` means rows 0..B-1; a tensor
-        on the cache's accelerator is used as a gather index as is, unchecked, to stay sync-free)."""
+        """(index [B] long on the cache device, selector for ``read``), with no device sync: the
+        selector is a slice when host rows (``None`` = 0..B-1, ints, a CPU tensor) are
+        consecutive, else the index (a gather). A tensor on an accelerator is the index as is."""
         if rows is None:
             return torch.arange(batch, device=self.device), slice(0, batch)
         if isinstance(rows, torch.Tensor) and rows.device.type != "cpu":
@@ -92,6 +92,15 @@ class KVCache:
         index = _on(host, self.device)
         return index, index
 
+    @staticmethod
+    def view_rows(rows: torch.Tensor) -> slice | torch.Tensor:
+        """``rows`` as a slice when they are consecutive (checked on their values: a device sync
+        for a tensor on an accelerator), so ``read`` returns views; else ``rows``."""
+        r0 = int(rows[0])
+        if rows.numel() == int(rows[-1]) - r0 + 1 and bool((rows[1:] - rows[:-1] == 1).all()):
+            return slice(r0, r0 + rows.numel())
+        return rows
+
     # -- writes and reads used by attention ---------------------------------------------------
     def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
@@ -100,13 +109,9 @@ class KVCache:
         self.k[layer][idx_r, :, slots] = k.transpose(1, 2)
         self.v[layer][idx_r, :, slots] = v.transpose(1, 2)
 
-    def read(self, layer: int, rows: torch.Tensor | slice, used: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of the first ``used`` slots of ``rows``: a view for a slice (see ``select``) or
-        for a tensor of consecutive rows (checked on its values), else a gather."""
-        if isinstance(rows, torch.Tensor):
-            r0 = int(rows[0])
-            if rows.numel() == int(rows[-1]) - r0 + 1 and bool((rows[1:] - rows[:-1] == 1).all()):
-                rows = slice(r0, r0 + rows.numel())
+    def read(self, layer: int, rows: slice | torch.Tensor, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the first ``used`` slots of ``rows``: views for a slice, a gather for a tensor
+        (``select`` and ``view_rows`` turn consecutive rows into a slice)."""
         return self.k[layer][rows, :, :used], self.v[layer][rows, :, :used]
 
     # -- commits -----------------------------------------------------------------------------

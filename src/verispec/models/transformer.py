@@ -122,7 +122,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(self.layer, rows, slots, k, v)
-            k, v = cache.read(self.layer, rows if select is None else select, used)
+            k, v = cache.read(self.layer, cache.view_rows(rows) if select is None else select, used)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kvh != self.h,
                                              scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(b, t, self.h * self.d))
@@ -207,21 +207,23 @@ def window_mask(lengths: torch.Tensor | None, used: int, positions: torch.Tensor
 
 def _cache_shape(cache: KVCache, rows: Rows | None, b: int, t: int, kv_len: int | None):
     """(index [B] long, read selector, lengths [B], attended slots) of a forward on ``cache``.
-    The selector is a slice for consecutive host rows (``KVCache.select``). Without ``kv_len``
-    the attended slots are ``max(lengths) + t`` read from the device (one sync); with it, the
-    bound is checked on the host mirror in eager mode and trusted under ``torch.compile``."""
+    The selector is a slice for consecutive rows (``KVCache.select``). Without ``kv_len`` the
+    attended slots are ``max(lengths) + t`` read from the device (one sync). With it, the bound is
+    checked on the host mirror when the rows are host-known, except under ``torch.compile``."""
     index, select = cache.select(rows, b)
-    lengths = cache.lengths[select]
+    on_device = isinstance(rows, torch.Tensor) and rows.device.type != "cpu"
     if kv_len is None:
+        select = cache.view_rows(select) if on_device else select
+        lengths = cache.lengths[select]
         cache.check_room(range(b) if rows is None else rows, t)
         return index, select, lengths, int(lengths.max()) + t
     if kv_len > cache.max_len:
         raise CacheFullError(f"KV cache holds {cache.max_len} slots per sequence, kv_len {kv_len} asked")
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and not on_device:
         need = max(cache.lengths_of(range(b) if rows is None else rows)) + t
         if need > kv_len:
             raise ValueError(f"kv_len {kv_len} is below the {need} slots this forward attends")
-    return index, select, lengths, kv_len
+    return index, select, cache.lengths[select], kv_len
 
 
 class Transformer(nn.Module):
