@@ -87,8 +87,9 @@ class KVCache:
         if isinstance(rows, torch.Tensor) and rows.device.type != "cpu":
             return rows, rows
         host = _host_rows(rows)
-        if host == list(range(host[0], host[0] + len(host))):
-            return torch.arange(host[0], host[0] + len(host), device=self.device), slice(host[0], host[0] + len(host))
+        first, stop = host[0], host[0] + len(host)
+        if host == list(range(first, stop)):
+            return torch.arange(first, stop, device=self.device), slice(first, stop)
         index = _on(host, self.device)
         return index, index
 
@@ -144,8 +145,9 @@ class KVCache:
     def compact_batch(self, rows: Rows, keep: torch.Tensor, counts: Sequence[int]) -> None:
         """``compact`` of many rows at once, with no device sync: row ``rows[b]`` keeps scratch
         offsets ``keep[b, :counts[b]]`` (``keep [B, K]`` long on the cache device, increasing per
-        row, entries past ``counts[b]`` ignored; ``counts`` host ints; rows distinct). One gather
-        and one index_put per layer for K and for V; the result equals ``compact`` row by row."""
+        row, entries past ``counts[b]`` ignored; ``counts`` host ints; ``rows`` distinct host
+        ints or a CPU tensor). One gather and one index_put per layer for K and for V; the result
+        equals ``compact`` row by row."""
         b, k = keep.shape
         index = _index(rows, self.device)
         cnt = _on(list(counts), self.device)
