@@ -2,7 +2,8 @@
 
 On SmolLM2-135M with fp16-packed weights (``load_model("smollm2-135m", weights="fp16")``), batch 1
 (``--batch``) at ``--context`` committed tokens, times one forward of T = 1 (decode) and T = 5 (a
-chain verify, tree mask given) in four variants, interleaved rep by rep (A B C D A B C D ...):
+chain verify, tree mask given) in four variants, interleaved rep by rep, the order rotated
+(A B C D, B C D A, ...):
 - ``before``: the forward of git ref ``--baseline`` (default ``main``), loaded from that ref's
   ``models/`` files into a scratch package and run over the *same* weights (modules re-classed,
   tensors shared) with that ref's ``KVCache``;
@@ -95,8 +96,10 @@ def measure(args) -> dict:
             for _ in range(args.warmup):
                 for fn in calls.values():
                     fn()
-            for _ in range(args.reps):
-                for name, fn in calls.items():
+            names = list(calls)
+            for rep in range(args.reps):
+                for name in names[rep % len(names):] + names[:rep % len(names)]:   # rotate the order
+                    fn = calls[name]
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
