@@ -139,17 +139,20 @@ def test_host_mirror_follows_every_commit():
 def test_compact_batch_equals_compact_row_by_row(seed):
     """Random K/V, ragged lengths (one row nearly full, so padded entries would run past the
     end), random increasing keeps (identity keeps and empty keeps included): ``compact_batch``
-    leaves every tensor bit-identical to ``compact`` called row by row."""
+    leaves every tensor bit-identical to ``compact`` called row by row, and so does its copy
+    step alone over every row (what a cache on an accelerator runs: no identity rows skipped)."""
     g = torch.Generator().manual_seed(seed)
     layers, rows, max_len, width = 2, 5, 24, 6
     a = KVCache(layers, rows, 2, max_len, 3)
     for t in a.k + a.v:
         t.copy_(torch.randn(t.shape, generator=g))
     a.advance(range(rows), [3, 0, max_len - width, 11, 7])
-    b = KVCache(layers, rows, 2, max_len, 3)
-    for s, d in zip(a.k + a.v, b.k + b.v):
+    b, c = KVCache(layers, rows, 2, max_len, 3), KVCache(layers, rows, 2, max_len, 3)
+    for s, d, e in zip(a.k + a.v, b.k + b.v, c.k + c.v):
         d.copy_(s)
+        e.copy_(s)
     b.advance(range(rows), a.lengths_of(range(rows)))
+    c.advance(range(rows), a.lengths_of(range(rows)))
     chosen = [1, 4, 2, 0] if seed % 2 else [3, 2, 0, 1, 4]
     keeps = []
     for i, row in enumerate(chosen):
@@ -159,10 +162,14 @@ def test_compact_batch_equals_compact_row_by_row(seed):
         keeps.append(keep)
         a.compact(row, torch.tensor(keep, dtype=torch.long))
     padded = torch.tensor([k + [width + 99] * (width - len(k)) for k in keeps])
-    b.compact_batch(chosen, padded, [len(k) for k in keeps])
-    assert a.lengths.tolist() == b.lengths.tolist() == b.lengths_of(range(rows))
-    for x, y in zip(a.k + a.v, b.k + b.v):
-        assert torch.equal(x, y)
+    counts = [len(k) for k in keeps]
+    b.compact_batch(chosen, padded, counts)
+    at = torch.tensor(chosen)                  # a device cache's path: identity rows moved too
+    c._move(at, c.lengths[at], padded, torch.tensor(counts))
+    c.advance(chosen, counts)
+    assert a.lengths.tolist() == b.lengths.tolist() == b.lengths_of(range(rows)) == c.lengths.tolist()
+    for x, y, z in zip(a.k + a.v, b.k + b.v, c.k + c.v):
+        assert torch.equal(x, y) and torch.equal(x, z)
 
 
 def test_verify_forward_compiles_whole_and_reuses_its_graph(single_thread):

@@ -146,28 +146,41 @@ class KVCache:
         """``compact`` of many rows at once, with no device sync: row ``rows[b]`` keeps scratch
         offsets ``keep[b, :counts[b]]`` (``keep [B, K]`` long on the cache device, increasing per
         row, entries past ``counts[b]`` ignored; ``counts`` host ints; ``rows`` distinct host
-        ints or a CPU tensor). One gather and one index_put per layer for K and for V; the result
-        equals ``compact`` row by row."""
-        b, k = keep.shape
-        index = _index(rows, self.device)
-        cnt = _on(list(counts), self.device)
-        start = self.lengths[index]                                             # [B]
-        j = torch.arange(k, device=self.device)[None, :]
-        valid = j < cnt[:, None]
-        # padding repeats the row's last kept entry (same value written twice), or slot 0 of a
-        # row that keeps nothing (its own value written back): every write is harmless
-        jj = torch.where(valid, j, (cnt[:, None] - 1).clamp(min=0))
-        has = cnt[:, None] > 0
-        dst = torch.where(has, start[:, None] + jj, 0)
-        src = torch.where(has, start[:, None] + keep.gather(1, jj), 0)
-        r = index[:, None]
-        for kk, vv in zip(self.k, self.v):
-            kk[r, :, dst] = kk[r, :, src]
-            vv[r, :, dst] = vv[r, :, src]
+        ints or a CPU tensor). One gather and one scatter per layer for K and for V (``_move``);
+        the result equals ``compact`` row by row. On a CPU cache rows whose keep is the identity (a chain's
+        accepted prefix) are skipped, as ``compact`` skips them."""
         host = _host_rows(rows)
+        index, cnt = _index(rows, self.device), _on(list(counts), self.device)
+        start = self.lengths[index]                                             # [B]
+        moved = list(range(len(host)))
+        if keep.device.type == "cpu":                                          # host data: free
+            moved = [b for b, n in enumerate(counts) if keep[b, :n].tolist() != list(range(n))]
+        if len(moved) == len(host):
+            self._move(index, start, keep, cnt)
+        elif moved:
+            at = torch.tensor(moved)
+            self._move(index[at], start[at], keep[at], cnt[at])
         self._commit(host, [n + c for n, c in zip(self.lengths_of(host), counts)])
         self.lengths[index] = start + cnt
         self._seen = self.lengths._version
+
+    def _move(self, index: torch.Tensor, start: torch.Tensor, keep: torch.Tensor, cnt: torch.Tensor) -> None:
+        """Copy slots ``start + keep[b, j]`` to ``start + j`` (j < cnt[b]) of rows ``index``, in
+        every layer: one ``index_select`` and one ``index_copy_`` over the [rows*heads*slots, D]
+        view per tensor (the K/V tensors are contiguous and never reallocated)."""
+        heads, dim = self.k[0].shape[1], self.k[0].shape[3]
+        j = torch.arange(keep.shape[1], device=self.device)[None, :]
+        # padding repeats the row's last kept entry (same value written twice), or slot 0 of a
+        # row that keeps nothing (its own value written back): every write is harmless
+        jj = torch.where(j < cnt[:, None], j, (cnt[:, None] - 1).clamp(min=0))
+        has = cnt[:, None] > 0
+        dst = torch.where(has, start[:, None] + jj, 0)
+        src = torch.where(has, start[:, None] + keep.gather(1, jj), 0)
+        base = (index[:, None, None] * heads + torch.arange(heads, device=self.device)) * self.max_len  # [B,1,H]
+        src, dst = (base + src[:, :, None]).reshape(-1), (base + dst[:, :, None]).reshape(-1)
+        for t in (*self.k, *self.v):
+            flat = t.view(-1, dim)
+            flat.index_copy_(0, dst, flat.index_select(0, src))
 
     # -- copies out and in (prefix caching) ---------------------------------------------------
     def read_slots(self, row: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
