@@ -128,6 +128,12 @@ def compiled(step: Step, positions: torch.Tensor, cuda: bool):
             lambda: counters["stats"]["unique_graphs"] - before)
 
 
+def cudagraph_skips() -> int:
+    """How many times inductor ran a compiled graph without CUDA graphs (e.g. mutated inputs)."""
+    from torch._dynamo.utils import counters
+    return counters["inductor"]["cudagraph_skips"]
+
+
 def sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
@@ -147,6 +153,8 @@ def measure_one(model, b: int, t: int, args) -> dict:
         if not (cuda or args.cpu_standins):
             return row
         for name, make in (("cuda_graph", graphed), ("compiled", compiled)):
+            if name not in args.variants.split(","):
+                continue
             try:
                 fn, setup_s, graphs = make(step, pos, cuda)
             except Exception as e:                          # report, go on with the other variant
@@ -157,6 +165,8 @@ def measure_one(model, b: int, t: int, args) -> dict:
             row[f"{name}_ms"] = timed(lambda: fn(step.tokens, pos, step.mask), args.reps, wait)
             row[f"{name}_reused"] = reuse_check(step, fn)
             row[f"{name}_graphs"] = graphs()                 # 1: the second step reused the graph
+        if cuda and "compiled" in args.variants.split(","):
+            row["compiled_cudagraph_skips_so_far"] = cudagraph_skips()
     return row
 
 
@@ -210,6 +220,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--tree-tokens", default=",".join(map(str, TREE_TOKENS)))
+    ap.add_argument("--variants", default="cuda_graph,compiled", help="captured variants to run")
     ap.add_argument("--cpu-standins", action="store_true",
                     help="without CUDA, run the captured variants' CPU stand-ins (tests)")
     args = parse_result_args(ap, "gpu_verify_capture", write_md)
@@ -220,16 +231,15 @@ def main() -> None:
     if note:
         print(note)
     model = load(args)
-    rows = []
-    for b in map(int, args.batches.split(",")):
-        for t in map(int, args.tree_tokens.split(",")):
-            rows.append(measure_one(model, b, t, args))
-            print(rows[-1], flush=True)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     results = {"machine": machine_info(), "model": "tiny random" if args.tiny else args.model,
                "dtype": str(args.dtype).removeprefix("torch."), "device_name": name, "context": args.context,
-               "reps": args.reps, "note": note, "rows": rows}
-    write_result(results, args.out, write_md)
+               "reps": args.reps, "note": note, "rows": []}
+    for b in map(int, args.batches.split(",")):
+        for t in map(int, args.tree_tokens.split(",")):
+            results["rows"].append(measure_one(model, b, t, args))
+            print(results["rows"][-1], flush=True)
+            write_result(results, args.out, write_md)         # after every row: a timeout keeps them
     print(Path(args.out + ".md").read_text())
 
 
