@@ -2,12 +2,15 @@
 
 One forward serves prefill, decode and draft-tree verification:
 
-    forward(tokens [B,T], positions [B,T], cache, attn_mask=None) -> ModelOutput
+    forward(tokens [B,T], positions [B,T], cache, attn_mask=None, ..., kv_len=None) -> ModelOutput
 
 - ``positions`` are RoPE positions (for a tree: cache length + depth, so siblings share one).
 - With a ``cache``, the T new keys/values are written to scratch slots ``lengths[row] + 0..T-1``
   (see ``kv_cache``); each query sees every committed slot of its row plus the new tokens allowed
   by ``attn_mask [B,T,T]`` (bool, True = may attend; default causal). Lengths are not changed.
+- ``kv_len`` (optional, a host int, e.g. ``KVCache.kv_len``'s bucket): attend that many cache
+  slots, masking those past each row's ``length + T``. Same logits, shapes fixed per bucket and no
+  device sync: the verify forward can be captured (CUDA graphs, ``torch.compile``).
 - Without a cache, the forward is a plain full-sequence forward (causal unless ``attn_mask``).
 - ``hidden_layers``: the outputs of these decoder layers (0-based) are returned in
   ``ModelOutput.hidden`` (EAGLE-3 fuses layers 1, N/2-1, N-4); ``ModelOutput.last_hidden`` is the
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, UnsupportedModelError
-from .kv_cache import KVCache
+from .kv_cache import CacheFullError, KVCache, Rows
 
 
 @dataclass
@@ -103,7 +106,9 @@ class Attention(nn.Module):
         if bias is not None:
             _share(self.fused.bias, [self.wq, self.wk, self.wv], sizes, "bias")
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, rows, slots, used):
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, rows, slots, used, select=None):
+        """``rows [B]`` (index tensor) and ``slots [B,T]``: where the new K/V go; the first ``used``
+        slots of ``select`` (default ``rows``; a slice for consecutive rows) are attended."""
         b, t, _ = x.shape
         if self.fused is not None:
             q, k, v = self.fused(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
@@ -117,7 +122,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(self.layer, rows, slots, k, v)
-            k, v = cache.read(self.layer, rows, used)
+            k, v = cache.read(self.layer, cache.view_rows(rows) if select is None else select, used)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kvh != self.h,
                                              scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(b, t, self.h * self.d))
@@ -169,8 +174,8 @@ class Block(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norm else None
 
-    def forward(self, x, cos, sin, mask, cache, rows, slots, used):
-        a = self.attn(self.attn_norm(x), cos, sin, mask, cache, rows, slots, used)
+    def forward(self, x, cos, sin, mask, cache, rows, slots, used, select=None):
+        a = self.attn(self.attn_norm(x), cos, sin, mask, cache, rows, slots, used, select)
         x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
         m = self.mlp(self.mlp_norm(x))
         return x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
@@ -200,6 +205,27 @@ def window_mask(lengths: torch.Tensor | None, used: int, positions: torch.Tensor
     return (key_pos[:, None, :] > positions[:, :, None] - window)[:, None]
 
 
+def _cache_shape(cache: KVCache, rows: Rows | None, b: int, t: int, kv_len: int | None):
+    """(index [B] long, read selector, lengths [B], attended slots) of a forward on ``cache``.
+    The selector is a slice for consecutive rows (``KVCache.select``). Without ``kv_len`` the
+    attended slots are ``max(lengths) + t`` read from the device (one sync). With it, the bound is
+    checked on the host mirror when the rows are host-known, except under ``torch.compile``."""
+    index, select = cache.select(rows, b)
+    on_device = isinstance(rows, torch.Tensor) and rows.device.type != "cpu"
+    if kv_len is None:
+        select = cache.view_rows(select) if on_device else select
+        lengths = cache.lengths[select]
+        cache.check_room(range(b) if rows is None else rows, t)
+        return index, select, lengths, int(lengths.max()) + t
+    if kv_len > cache.max_len:
+        raise CacheFullError(f"KV cache holds {cache.max_len} slots per sequence, kv_len {kv_len} asked")
+    if not torch.compiler.is_compiling() and not on_device:
+        need = max(cache.lengths_of(range(b) if rows is None else rows)) + t
+        if need > kv_len:
+            raise ValueError(f"kv_len {kv_len} is below the {need} slots this forward attends")
+    return index, select, cache.lengths[select], kv_len
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -225,24 +251,27 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                attn_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None, rows: Rows | None = None,
                 hidden_layers: tuple[int, ...] = (), logits_index: torch.Tensor | None = None,
-                compute_logits: bool = True) -> ModelOutput:
-        """See the module docstring. ``rows [B]``: cache rows of the batch (default 0..B-1).
-        ``logits_index [B,K]``: compute logits only at these positions of T."""
+                compute_logits: bool = True, kv_len: int | None = None) -> ModelOutput:
+        """See the module docstring. ``rows``: cache rows of the batch (default 0..B-1; a tensor,
+        or host ints). ``logits_index [B,K]``: compute logits only at these positions of T.
+        ``kv_len``: attend the first ``kv_len`` cache slots, a host int at least
+        ``max(lengths[rows]) + T`` (``KVCache.kv_len`` gives a bucketed one); slots past a row's
+        ``length + T`` are masked, so the logits do not depend on it. With ``kv_len`` and host
+        ``rows`` (or none) the forward makes no device sync and its shapes depend only on
+        (B, T, kv_len, rows): CUDA graphs and ``torch.compile`` can capture it. Without it,
+        ``kv_len`` is found from the device lengths (one sync)."""
         b, t = tokens.shape
         dev = tokens.device
         new_mask = attn_mask if attn_mask is not None else \
             torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
         if cache is not None:
-            rows = torch.arange(b, device=dev) if rows is None else rows
-            cache.check_room(rows, t)
-            lengths = cache.lengths[rows]
+            index, select, lengths, used = _cache_shape(cache, rows, b, t, kv_len)
             slots = lengths[:, None] + torch.arange(t, device=dev)
-            used = int(lengths.max()) + t
             mask = build_mask(lengths, used, new_mask)
         else:
-            slots, used, lengths = None, t, None
+            index, select, slots, used, lengths = None, None, None, t, None
             mask = new_mask[:, None]
         x = self.embed(tokens)
         if self.cfg.embed_scale != 1.0:
@@ -255,7 +284,7 @@ class Transformer(nn.Module):
         hidden = {}
         for i, layer in enumerate(self.layers):
             cos, sin, m = local if i in self.sliding else full
-            x = layer(x, cos, sin, m, cache, rows, slots, used)
+            x = layer(x, cos, sin, m, cache, index, slots, used, select)
             if i in hidden_layers:
                 hidden[i] = x
         x = self.norm(x)
