@@ -219,7 +219,7 @@ class Engine:
         if self._prefix_cache is None:
             return
         tokens = seq.prompt_ids + seq.output_ids
-        valid = min(int(self.cache.lengths[seq.row]), len(tokens))
+        valid = min(self.cache.lengths_of([seq.row])[0], len(tokens))
         feats = None
         if self._prefix_cache.layout.needs_features:
             feats = join_features(self._feature_log.get(seq.seq_id, []))
@@ -382,13 +382,16 @@ class Engine:
         return max(0, min(left_tokens, left_ctx) - 1)
 
     def _verify_forward(self, seqs: list[Sequence], trees: list[DraftTree]):
-        """One target forward over (root, tree nodes...) of every row, right-padded (``TreeBatch``)."""
-        rows = torch.tensor([s.row for s in seqs])
-        batch = TreeBatch.pack(trees, self.cache.lengths[rows], [s.root for s in seqs],
-                               device=self.cache.lengths.device, vocab=self.model.cfg.vocab_size)
+        """One target forward over (root, tree nodes...) of every row, right-padded (``TreeBatch``),
+        shaped from host data alone: rows and lengths from the cache's host mirror, the attended
+        slots bucketed (``KVCache.kv_len``), so the forward makes no device sync."""
+        rows = [s.row for s in seqs]
+        batch = TreeBatch.pack(trees, self.cache.lengths_of(rows), [s.root for s in seqs],
+                               device=self.cache.device, vocab=self.model.cfg.vocab_size)
+        t = int(batch.tokens.shape[1])
         layers, _ = self._feature_request()
-        out = self.model(batch.tokens, batch.positions, self.cache, attn_mask=batch.mask,
-                         rows=rows.to(self.cache.lengths.device), hidden_layers=layers)
+        out = self.model(batch.tokens, batch.positions, self.cache, attn_mask=batch.mask, rows=rows,
+                         hidden_layers=layers, kv_len=self.cache.kv_len(rows, t))
         return batch, out
 
     def _accept(self, seqs: list[Sequence], batch: TreeBatch, out) -> BatchAccept:
@@ -407,9 +410,8 @@ class Engine:
 
     def _commit(self, seqs: list[Sequence], batch: TreeBatch, decided: BatchAccept,
                 results: list) -> None:
-        """Commit every row's root and accepted nodes to its cache row."""
-        for seq, res, keep in zip(seqs, results, decided.keep):
-            self.cache.compact(seq.row, keep[:res.num_accepted + 1])
+        """Commit every row's root and accepted nodes to its cache row (one batched copy)."""
+        self.cache.compact_batch([s.row for s in seqs], decided.keep, [r.num_accepted + 1 for r in results])
 
     def _observe(self, seq: Sequence, batch: TreeBatch, b: int, accepted: int) -> None:
         seq.stats.observe(batch.sizes[b], batch.depths[b], accepted)
