@@ -140,7 +140,8 @@ def _processed_logits(llm: LLM, prompt: list[int], prefix: list[int], pipe: Logi
     ``prefix``), as the engine's pipeline gives them."""
     ids, dev = prompt + prefix, llm.device
     with torch.no_grad():
-        logits = llm.target.model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None]).logits[0, -1:]
+        tokens, positions = torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None]
+        logits = llm.target.model(tokens, positions).logits[0, -1:]
     return pipe.process(logits, prompt, prefix)[0].float()
 
 

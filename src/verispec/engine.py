@@ -283,7 +283,8 @@ class Engine:
             pos = torch.arange(s, s + chunk.shape[1], device=dev)[None]
             is_last = s + PREFILL_CHUNK >= len(ids)
             out = self.model(chunk, pos, self.cache, rows=rows, hidden_layers=layers,
-                             logits_index=None if k is not None else torch.tensor([[chunk.shape[1] - 1]], device=dev),
+                             logits_index=None if k is not None else
+                             torch.tensor([[chunk.shape[1] - 1]], device=dev),
                              compute_logits=is_last or k is not None)
             self.cache.advance(rows, chunk.shape[1])
             if k is not None:

@@ -109,7 +109,8 @@ class GrammarConstraint:
         kids = tree.children()
         toks = tree.tokens.tolist()
         keep, parents, rows = [], [], []
-        bitmask = torch.empty(len(tree) + 1, (self.vocab + 31) // 32, dtype=torch.int32, device="cpu")  # llguidance fills host memory
+        # llguidance fills host memory
+        bitmask = torch.empty(len(tree) + 1, (self.vocab + 31) // 32, dtype=torch.int32, device="cpu")
 
         def visit(node: int, new_index: int) -> None:
             row = len(rows)

@@ -436,7 +436,8 @@ def top2_margin(model, ids: list[int]) -> float:
     """Gap between the target's two largest logits after ``ids`` (a plain, cache-free forward)."""
     dev = module_device(model)
     tokens = torch.tensor([ids], device=dev)
-    out = model(tokens, torch.arange(len(ids), device=dev)[None], logits_index=torch.tensor([[len(ids) - 1]], device=dev))
+    last = torch.tensor([[len(ids) - 1]], device=dev)
+    out = model(tokens, torch.arange(len(ids), device=dev)[None], logits_index=last)
     top = out.logits[0, -1].float().topk(2).values
     return float(top[0] - top[1])
 
@@ -494,7 +495,8 @@ def run_benchmark(config: BenchConfig, loaded: LoadedModel | None = None, progre
     specs, runners = build_runners(specs, loaded, config)
     meter = RssMeter()
     dtype = next(loaded.model.parameters()).dtype
-    result = BenchResult(config.name, config.as_dict(), machine_info(dtype, meter, module_device(loaded.model)), specs,
+    machine = machine_info(dtype, meter, module_device(loaded.model))
+    result = BenchResult(config.name, config.as_dict(), machine, specs,
                          load_s=time.perf_counter() - t0)
     t1 = time.perf_counter()
     warm_up(runners, loaded.tokenizer, questions[0], config)

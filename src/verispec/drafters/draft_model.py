@@ -157,7 +157,8 @@ class DraftModelDrafter:
                 break
             # every row is fed (its last token): rows that stopped keep their cache in step and
             # their extra slot is rolled back by prefix matching at the next catch-up
-            feed = torch.tensor([[t[-1] if t else r.context[-1]] for t, r in zip(toks, requests)], device=self.device)
+            feed = torch.tensor([[t[-1] if t else r.context[-1]] for t, r in zip(toks, requests)],
+                                device=self.device)
             pos = self.cache.lengths[rows][:, None].clone()
             logits = self._logits(feed, pos, rows=rows)[:, 0]
             self.cache.advance(rows, 1)
@@ -188,8 +189,8 @@ class DraftModelDrafter:
             expand = [f.expandable(depth) for f in fillers]
             if not any(expand):
                 break
-            tokens, positions, mask = (x.to(self.device) for x in
-                                       pack_trees([f.tree() for f in fillers], base))   # all nodes so far, host-built
+            packed = pack_trees([f.tree() for f in fillers], base)      # all nodes so far, built on the host
+            tokens, positions, mask = (x.to(self.device) for x in packed)
             logits = self._logits(tokens, positions, attn_mask=mask, rows=rows)
             for b, (f, r) in enumerate(zip(fillers, requests)):
                 for path in expand[b]:

@@ -129,7 +129,8 @@ def attention_plan(cache: KVCache | None, rows: torch.Tensor | None, t: int, scr
     dev = device if device is not None else (cache.lengths.device if cache is not None else torch.device("cpu"))
     if local_mask is None:
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        local_mask = torch.cat([torch.zeros(t, scratch, dtype=torch.bool, device=dev), causal], 1).expand(b, t, scratch + t)
+        none = torch.zeros(t, scratch, dtype=torch.bool, device=dev)
+        local_mask = torch.cat([none, causal], 1).expand(b, t, scratch + t)
     if cache is None:
         return None, t, local_mask[:, None, :, scratch:]
     cache.check_room(rows, scratch + t)

@@ -96,7 +96,8 @@ class Eagle1Module(nn.Module):
         if not self.training or self.noise <= 0:
             return hidden
         rank = dist.get_rank() if dist.is_initialized() else 0
-        g = torch.Generator(device="cpu").manual_seed((self.noise_seed * 1_000_003 + int(self.noise_calls)) * 4099 + rank)
+        seed = (self.noise_seed * 1_000_003 + int(self.noise_calls)) * 4099 + rank
+        g = torch.Generator(device="cpu").manual_seed(seed)
         self.noise_calls += 1
         u = torch.rand(hidden.shape, generator=g, dtype=torch.float32, device="cpu")   # the same noise on any device
         return hidden + ((u - 0.5) * self.noise).to(hidden.device, hidden.dtype)

@@ -14,11 +14,12 @@ one device per process: "cpu", or under torchrun with "cuda" each rank's ``cuda:
 device's type (CPU or CUDA autocast). The frozen target of a task is loaded on the same device.
 
 Distributed: under ``torchrun --nproc_per_node N`` the module is wrapped in
-``DistributedDataParallel`` (gloo on CPU, nccl on CUDA: the backend follows the device). Every step takes ``batch_size`` sequences
-from one seeded permutation per epoch (the same on every rank); rank r takes every N-th of them,
-in micro-batches of ``micro_batch_size``. Each rank back-propagates ``loss_sum * N / global_count``
-and DDP averages, so the gradient is that of (global loss sum / global count): N processes and 1
-process with the same global batch follow the same curve up to float summation order.
+``DistributedDataParallel`` (gloo on CPU, nccl on CUDA: the backend follows the device). Every
+step takes ``batch_size`` sequences from one seeded permutation per epoch (the same on every
+rank); rank r takes every N-th of them, in micro-batches of ``micro_batch_size``. Each rank
+back-propagates ``loss_sum * N / global_count`` and DDP averages, so the gradient is that of
+(global loss sum / global count): N processes and 1 process with the same global batch follow the
+same curve up to float summation order.
 
 The data order is a pure function of (seed, step), so ``resume`` (rank 0 writes
 ``train_state.pt``: module, optimizer, scheduler, step) continues the very same curve. Logs go to
