@@ -1,4 +1,5 @@
-"""Shared fixtures: the default target model is loaded once per test session."""
+"""Shared fixtures: the default target model is loaded once per test session, on the device named
+by ``VERISPEC_TEST_DEVICE`` (default "cpu"; e.g. "cuda" to run the suite on a GPU; CI stays CPU)."""
 from __future__ import annotations
 
 import os
@@ -8,19 +9,30 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("VERISPEC_TEST_THREADS", "2")))
+TEST_DEVICE = os.environ.get("VERISPEC_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
-def target():
+def device() -> torch.device:
+    """The device the session's models run on (``VERISPEC_TEST_DEVICE``, default cpu)."""
+    from verispec.device import resolve_device
+    return resolve_device(TEST_DEVICE)
+
+
+@pytest.fixture(scope="session")
+def target(device):
     """SmolLM2-135M-Instruct (fp32) as a ``LoadedModel``: .model, .tokenizer, .config."""
     from verispec.models.loading import load_model
-    return load_model("smollm2-135m", dtype="float32")
+    return load_model("smollm2-135m", dtype="float32", device=device)
 
 
 @pytest.fixture(scope="session")
-def packed_target():
+def packed_target(device):
     """The same model with fp16-packed matmul weights (``models.packed``): a slightly different
-    target (weights rounded to fp16) whose few-token forwards cost about a one-token forward."""
+    target (weights rounded to fp16) whose few-token forwards cost about a one-token forward.
+    CPU only: skipped when the session runs on another device."""
+    if device.type != "cpu":
+        pytest.skip(f"fp16-packed weights are CPU only (session device {device})")
     from verispec.models.loading import load_model
     return load_model("smollm2-135m", dtype="float32", weights="fp16")
 

@@ -138,9 +138,10 @@ def _greedy_case(llm: LLM, vanilla: LLM, index: int, prompt: list[int], params: 
 def _processed_logits(llm: LLM, prompt: list[int], prefix: list[int], pipe: LogitsPipeline) -> torch.Tensor:
     """The target's processed logits [V] for the token after ``prompt + prefix`` (output so far
     ``prefix``), as the engine's pipeline gives them."""
-    ids = prompt + prefix
+    ids, dev = prompt + prefix, llm.device
     with torch.no_grad():
-        logits = llm.target.model(torch.tensor([ids]), torch.arange(len(ids))[None]).logits[0, -1:]
+        tokens, positions = torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None]
+        logits = llm.target.model(tokens, positions).logits[0, -1:]
     return pipe.process(logits, prompt, prefix)[0].float()
 
 
@@ -170,8 +171,8 @@ def _sampled_check(llm: LLM, index: int, prompt: list[int], params: SamplingPara
         cell = _cell_of(tuple(o[:depth]), kept, depth)
         observed[cell] = observed.get(cell, 0) + 1
     chi2, dof, worst = _chi_square(exact, observed, samples, min_expected)
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                            torch.tensor(chi2 / 2.0, dtype=torch.float64)))
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64, device="cpu"),
+                                            torch.tensor(chi2 / 2.0, dtype=torch.float64, device="cpu")))
     return SampledCheck(index, samples, len(exact), chi2, dof, p_value, p_value > alpha, worst)
 
 

@@ -33,13 +33,18 @@ class DraftVocab:
     @property
     def draft_ids(self) -> torch.Tensor:
         """[D] target ids of the draft vocabulary, increasing."""
-        return torch.arange(self.size) + self.d2t
+        return torch.arange(self.size, device=self.d2t.device) + self.d2t
 
     def target_to_draft(self) -> torch.Tensor:
         """[V] int64: draft id of each target id, -1 outside the draft vocabulary."""
-        out = torch.full(self.t2d.shape, -1, dtype=torch.long)
-        out[self.draft_ids] = torch.arange(self.size)
+        dev = self.d2t.device
+        out = torch.full(self.t2d.shape, -1, dtype=torch.long, device=dev)
+        out[self.draft_ids] = torch.arange(self.size, device=dev)
         return out
+
+    def to(self, device: str | torch.device) -> "DraftVocab":
+        """The same vocabulary with its maps on ``device``."""
+        return DraftVocab(self.d2t.to(device), self.t2d.to(device))
 
     def coverage(self, counts: torch.Tensor) -> float:
         """Share of counted target tokens that the draft vocabulary contains."""
@@ -54,9 +59,9 @@ class DraftVocab:
             raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1} and not be empty")
         if ids.unique().numel() != ids.numel():
             raise ValueError("draft vocabulary ids repeat")
-        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d = torch.zeros(vocab_size, dtype=torch.bool, device=ids.device)
         t2d[ids] = True
-        return cls(d2t=ids - torch.arange(ids.numel()), t2d=t2d)
+        return cls(d2t=ids - torch.arange(ids.numel(), device=ids.device), t2d=t2d)
 
 
 def save_draft_vocab(vocab: DraftVocab, path: str | Path, info: dict | None = None) -> Path:

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from .acceptance import LOSSLESS, AcceptanceRule, batched
+from .device import same_device
 from .drafters.base import DraftRequest, Drafter, TargetFeatures
 from .logits import LogitsPipeline, TokenConstraint
 from .logprobs import TokenLogprob, token_logprobs
@@ -38,7 +39,7 @@ from .metrics import SpecStats
 from .models.kv_cache import KVCache
 from .models.transformer import Transformer
 from .params import SamplingParams
-from .prefix_cache import CacheLayout, PrefixCache, PrefixHit, join_features, num_positions
+from .prefix_cache import CacheLayout, PrefixCache, PrefixHit, features_to, join_features, num_positions
 from .sampling import make_generator, sample
 from .tree import DraftTree
 from .tree_batch import TreeBatch
@@ -89,19 +90,25 @@ class StepReport:
 class Engine:
     def __init__(self, model: Transformer, drafter: Drafter | None = None, *, max_batch: int,
                  max_len: int, eos_token_ids: tuple[int, ...] = (), max_context: int | None = None,
-                 acceptance: AcceptanceRule = LOSSLESS, prefix_cache: PrefixCache | None = None):
+                 acceptance: AcceptanceRule = LOSSLESS, prefix_cache: PrefixCache | None = None,
+                 device: str | torch.device | None = None):
         """``max_len``: cache slots per row (prompt + output + tree slack). ``max_context``: the
         model's usable context; generation stops with reason "length" when it is reached.
         ``acceptance``: the rule that decides which draft tokens are kept (lossless default).
-        ``prefix_cache``: K/V blocks shared across requests (and engines of one target)."""
+        ``prefix_cache``: K/V blocks shared across requests (and engines of one target).
+        ``device``: where the cache, generators and every tensor the engine makes live: the
+        model's parameters' device (the default; naming another one is a ValueError)."""
         if not isinstance(acceptance, AcceptanceRule):
             raise TypeError(f"acceptance must be an AcceptanceRule (name, lossy, __call__), got {acceptance!r}")
         self.model = model
         self._drafter = drafter
         self.acceptance = acceptance
         self._accept_batch = batched(acceptance)
-        dtype = next(model.parameters()).dtype
-        self.cache = KVCache.for_model(model.cfg, max_batch, max_len, dtype)
+        first = next(model.parameters())
+        dtype, self.device = first.dtype, first.device
+        if device is not None and not same_device(torch.device(device), self.device):
+            raise ValueError(f"engine device {device} differs from the model's {self.device}")
+        self.cache = KVCache.for_model(model.cfg, max_batch, max_len, dtype, device=self.device)
         self.eos = set(eos_token_ids)
         self.max_context = min(max_context or max_len, max_len - 1 - self.max_tree_nodes)
         self.free_rows = list(range(max_batch))[::-1]
@@ -153,7 +160,7 @@ class Engine:
             raise RuntimeError("not enough free batch rows; check can_admit() first")
         for seq in seqs:
             seq.row = self.free_rows.pop()
-            seq.generator = seq.generator or make_generator(seq.params.seed)
+            seq.generator = seq.generator or make_generator(seq.params.seed, self.device)
             seq.pipeline = LogitsPipeline.build(seq.params, tuple(self.eos), seq.constraint)
             seq.stats.acceptance, seq.stats.lossy = self.acceptance.name, self.acceptance.lossy
             self.cache.reset(seq.row)
@@ -196,7 +203,8 @@ class Engine:
             return PrefixHit(0)
         hit = self._prefix_cache.lookup(seq.prompt_ids)
         if hit.num_tokens:
-            self.cache.write_prefix(seq.row, hit.k, hit.v)
+            self.cache.write_prefix(seq.row, hit.k.to(self.device), hit.v.to(self.device))
+            hit = replace(hit, features=features_to(hit.features, self.device))
         return hit
 
     def _store_prompt(self, seq: Sequence, feats: TargetFeatures | None) -> None:
@@ -240,14 +248,14 @@ class Engine:
     def _prefill_batch(self, seqs: list[Sequence], starts: list[int]
                        ) -> list[tuple[torch.Tensor, TargetFeatures | None]]:
         lens = [len(s.prompt_ids) - m for s, m in zip(seqs, starts)]
-        tokens = torch.zeros(len(seqs), max(lens), dtype=torch.long)
-        for i, (s, m) in enumerate(zip(seqs, starts)):
-            tokens[i, :lens[i]] = torch.tensor(s.prompt_ids[m:])
-        rows = torch.tensor([s.row for s in seqs])
+        dev = self.device
+        tokens = torch.tensor([s.prompt_ids[m:] + [0] * (max(lens) - n) for s, m, n in zip(seqs, starts, lens)],
+                              dtype=torch.long, device=dev)
+        rows = torch.tensor([s.row for s in seqs], device=dev)
         layers, want_last = self._feature_request()
-        positions = torch.tensor(starts)[:, None] + torch.arange(max(lens))[None]
+        positions = torch.tensor(starts, device=dev)[:, None] + torch.arange(max(lens), device=dev)[None]
         out = self.model(tokens, positions, self.cache, rows=rows, hidden_layers=layers,
-                         logits_index=torch.tensor(lens)[:, None] - 1)
+                         logits_index=torch.tensor(lens, device=dev)[:, None] - 1)
         results = []
         for i, s in enumerate(seqs):
             self.cache.advance(rows[i:i + 1], lens[i])
@@ -264,7 +272,8 @@ class Engine:
         before it came from the prefix cache); features of positions ``start..``. Fills
         ``seq.prompt_logprobs`` when its params ask (logits at every prompt position, entries for
         prompt tokens 1..n-1; only from ``start`` 0)."""
-        rows = torch.tensor([row])
+        dev = self.device
+        rows = torch.tensor([row], device=dev)
         layers, want_last = self._feature_request()
         hid_parts, last_parts, logits = {i: [] for i in layers}, [], None
         k = seq.params.prompt_logprobs if seq is not None else None
@@ -273,11 +282,12 @@ class Engine:
                 raise ValueError("prompt_logprobs need the whole prompt prefilled (start 0)")
             seq.prompt_logprobs = []
         for s in range(start, len(ids), PREFILL_CHUNK):
-            chunk = torch.tensor([ids[s:s + PREFILL_CHUNK]])
-            pos = torch.arange(s, s + chunk.shape[1])[None]
+            chunk = torch.tensor([ids[s:s + PREFILL_CHUNK]], device=dev)
+            pos = torch.arange(s, s + chunk.shape[1], device=dev)[None]
             is_last = s + PREFILL_CHUNK >= len(ids)
             out = self.model(chunk, pos, self.cache, rows=rows, hidden_layers=layers,
-                             logits_index=None if k is not None else torch.tensor([[chunk.shape[1] - 1]]),
+                             logits_index=None if k is not None else
+                             torch.tensor([[chunk.shape[1] - 1]], device=dev),
                              compute_logits=is_last or k is not None)
             self.cache.advance(rows, chunk.shape[1])
             if k is not None:

@@ -16,6 +16,8 @@ forbidden tokens removed and the rest renormalised):
   after each row's path: the verifier then samples every row from the constrained target.
 - ``commit(tokens)`` advances the matcher on the tokens the engine emitted (accepted drafts and
   the bonus/recovered token); rejected branches were rolled back during the walk.
+Masks are computed on the CPU (llguidance fills host memory); the logits pipeline moves them to
+the logits' device, and ``prune`` keeps a tree's tensors on the tree's device.
 End tokens are allowed exactly where the grammar is complete (and are then the only choice once
 nothing else may follow). Mask cost on this CPU: benchmarks/results/grammar_backends.md.
 """
@@ -28,7 +30,7 @@ import torch
 from .structured import StructuredOutputError, StructuredOutputsParams
 from .tree import DraftTree
 
-_BITS = torch.arange(32, dtype=torch.int32)
+_BITS = torch.arange(32, dtype=torch.int32, device="cpu")
 # JSON in one layout (as xgrammar's any_whitespace=False): ", " and ": ", no other whitespace.
 _JSON_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _JSON_FLEXIBLE = {"whitespace_flexible": True}
@@ -107,7 +109,8 @@ class GrammarConstraint:
         kids = tree.children()
         toks = tree.tokens.tolist()
         keep, parents, rows = [], [], []
-        bitmask = torch.empty(len(tree) + 1, (self.vocab + 31) // 32, dtype=torch.int32)
+        # llguidance fills host memory
+        bitmask = torch.empty(len(tree) + 1, (self.vocab + 31) // 32, dtype=torch.int32, device="cpu")
 
         def visit(node: int, new_index: int) -> None:
             row = len(rows)
@@ -146,9 +149,10 @@ class GrammarConstraint:
             raise ValueError(f"draft q rows have {tree.q.shape[1]} entries, the grammar's vocabulary {self.vocab}")
         if tree.q is not None and keep:
             # row of each kept node's parent in ``allowed``: parent new index + 1 (root = row 0)
-            q = tree.q[keep].float() * allowed[torch.tensor(parents) + 1].to(tree.q.dtype)
+            rows = allowed[[p + 1 for p in parents]].to(tree.q.device, tree.q.dtype)
+            q = tree.q[keep].float() * rows
             q = q / q.sum(-1, keepdim=True).clamp_min(1e-30)
-        pruned = DraftTree(tree.tokens[keep], torch.tensor(parents, dtype=torch.long), q)
+        pruned = DraftTree(tree.tokens[keep], torch.tensor(parents, dtype=torch.long, device=tree.parents.device), q)
         self._last = (pruned, allowed)
         return pruned
 

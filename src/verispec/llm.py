@@ -14,6 +14,7 @@ import torch
 
 from .acceptance import LOSSLESS
 from .detokenizer import IncrementalDetokenizer
+from .device import module_device, resolve_device, same_device
 from .drafters import build_drafter_factory
 from .engine import Engine, Sequence
 from .grammar import GrammarCompiler
@@ -76,10 +77,15 @@ class LLM:
                  speculative_config: dict | str | SpeculativeConfig | None = None,
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_threads: int | None = None,
                  loaded: LoadedModel | None = None, weights: str = "dense",
-                 prefix_cache_mb: float = 0, prefix_cache_block_size: int = 16):
+                 prefix_cache_mb: float = 0, prefix_cache_block_size: int = 16,
+                 device: str | torch.device | None = None):
         """``loaded`` lets several LLMs share one loaded target (tests, benchmarks).
+        ``device``: where the target, its drafter, the KV caches and every tensor of decoding live:
+        "cpu", "auto" (cuda when available), "cuda", "cuda:1"... (``verispec.device``); None (the
+        default) means the ``loaded`` model's device, else "cpu". On CUDA use dtype bfloat16 or
+        float16 (the fast path there).
         ``weights="fp16"``: fp16-packed matmul weights on the CPU (``models.packed``): faster, and a
-        few-token verification forward costs about a one-token decode; not bit-equal to fp32.
+        few-token verification forward costs about a one-token decode; not bit-equal to fp32; CPU only.
         ``prefix_cache_mb`` > 0: one ``PrefixCache`` of that many MiB (blocks of
         ``prefix_cache_block_size`` tokens) shared by every engine this LLM makes, so a prompt
         repeating an earlier prompt or conversation (system prompt, chat history) prefills only
@@ -94,7 +100,11 @@ class LLM:
             if prefix_cache_mb > 0 else None
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.target = loaded or load_model(model, dtype=dtype, weights=weights)
+        self.target = loaded or load_model(model, dtype=dtype, weights=weights,
+                                           device="cpu" if device is None else device)
+        self.device = module_device(self.target.model)
+        if loaded is not None and device is not None and not same_device(resolve_device(device), self.device):
+            raise ValueError(f"device {str(device)!r} asked for, but the loaded model lives on {self.device}")
         self.tokenizer = self.target.tokenizer
         self.spec = SpeculativeConfig.from_dict(speculative_config)
         self.acceptance = self.spec.acceptance() if self.spec else LOSSLESS
@@ -140,7 +150,7 @@ class LLM:
         slack = (drafter.max_tree_nodes if drafter else 0) + 2
         return Engine(self.target.model, drafter, max_batch=max_batch, max_len=max_len + slack,
                       eos_token_ids=self.eos_token_ids, max_context=self.max_model_len,
-                      acceptance=self.acceptance, prefix_cache=self.prefix_cache)
+                      acceptance=self.acceptance, prefix_cache=self.prefix_cache, device=self.device)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

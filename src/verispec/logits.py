@@ -44,30 +44,34 @@ from .tree import DraftTree
 @dataclass(frozen=True)
 class RowContext:
     """What processors know of the rows of one request: ``rows`` logit rows, root first;
-    ``tree`` None means one row, the token after ``output_ids``."""
+    ``tree`` None means one row, the token after ``output_ids``. Every tensor it makes is on
+    ``device`` (the logits')."""
     prompt_ids: list[int]
     output_ids: list[int]
     tree: DraftTree | None
     rows: int
     vocab: int
+    device: torch.device = torch.device("cpu")
 
     @cached_property
     def counts(self) -> torch.Tensor:
         """[rows, V] float: how often each token was generated before each row."""
-        out = torch.tensor(self.output_ids, dtype=torch.long)
+        dev = self.device
+        out = torch.tensor(self.output_ids, dtype=torch.long, device=dev)
         counts = torch.bincount(out, minlength=self.vocab)[:self.vocab].float().expand(self.rows, self.vocab).clone()
         if self.tree is not None and len(self.tree):
-            path = self.tree.ancestor_mask()[:, 1:].float()                  # [N+1, N]: node j on row i's path
-            onehot = torch.zeros(len(self.tree), self.vocab).scatter_(1, self.tree.tokens[:, None], 1.0)
+            path = self.tree.ancestor_mask()[:, 1:].to(dev).float()          # [N+1, N]: node j on row i's path
+            onehot = torch.zeros(len(self.tree), self.vocab, device=dev).scatter_(
+                1, self.tree.tokens[:, None].to(dev), 1.0)
             counts += path @ onehot
         return counts
 
     @cached_property
     def depth(self) -> torch.Tensor:
         """[rows] long: 0 for the root row, the node's depth for the others."""
-        depth = torch.zeros(self.rows, dtype=torch.long)
+        depth = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         if self.tree is not None and len(self.tree):
-            depth[1:] = self.tree.depth
+            depth[1:] = self.tree.depth.to(self.device)
         return depth
 
 
@@ -83,7 +87,7 @@ class RepetitionPenalty:
     def __call__(self, logits: torch.Tensor, ctx: RowContext) -> torch.Tensor:
         seen = ctx.counts > 0
         if ctx.prompt_ids:
-            seen[:, torch.tensor(ctx.prompt_ids, dtype=torch.long)] = True
+            seen[:, torch.tensor(ctx.prompt_ids, dtype=torch.long, device=seen.device)] = True
         rp = self.penalty
         return torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
 
@@ -101,11 +105,11 @@ class FrequencyPresencePenalty:
         return logits
 
 
-def _ids_in_vocab(ids, v: int, what: str) -> torch.Tensor:
-    t = torch.tensor(list(ids), dtype=torch.long)
-    if int(t.max()) >= v:
-        raise ValueError(f"{what} names token {int(t.max())}, outside the vocabulary of {v}")
-    return t
+def _ids_in_vocab(ids, v: int, what: str, device: torch.device) -> torch.Tensor:
+    ids = list(ids)
+    if max(ids) >= v:
+        raise ValueError(f"{what} names token {max(ids)}, outside the vocabulary of {v}")
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 @dataclass(frozen=True)
@@ -113,8 +117,8 @@ class LogitBias:
     bias: tuple[tuple[int, float], ...]
 
     def __call__(self, logits: torch.Tensor, ctx: RowContext) -> torch.Tensor:
-        ids = _ids_in_vocab((t for t, _ in self.bias), ctx.vocab, "logit_bias")
-        logits[:, ids] += torch.tensor([b for _, b in self.bias], dtype=logits.dtype)
+        ids = _ids_in_vocab((t for t, _ in self.bias), ctx.vocab, "logit_bias", logits.device)
+        logits[:, ids] += torch.tensor([b for _, b in self.bias], dtype=logits.dtype, device=logits.device)
         return logits
 
 
@@ -123,8 +127,8 @@ class AllowedTokens:
     ids: tuple[int, ...]
 
     def __call__(self, logits: torch.Tensor, ctx: RowContext) -> torch.Tensor:
-        keep = torch.zeros(ctx.vocab, dtype=torch.bool)
-        keep[_ids_in_vocab(self.ids, ctx.vocab, "allowed_token_ids")] = True
+        keep = torch.zeros(ctx.vocab, dtype=torch.bool, device=logits.device)
+        keep[_ids_in_vocab(self.ids, ctx.vocab, "allowed_token_ids", logits.device)] = True
         return logits.masked_fill(~keep, float("-inf"))
 
 
@@ -136,7 +140,8 @@ class MinTokens:
     def __call__(self, logits: torch.Tensor, ctx: RowContext) -> torch.Tensor:
         early = (len(ctx.output_ids) + ctx.depth) < self.min_tokens     # output index each row emits
         if bool(early.any()):
-            logits[early.nonzero().flatten()[:, None], torch.tensor(self.end_ids)[None, :]] = float("-inf")
+            ends = torch.tensor(self.end_ids, dtype=torch.long, device=logits.device)
+            logits[early.nonzero().flatten()[:, None], ends[None, :]] = float("-inf")
         return logits
 
 
@@ -197,7 +202,7 @@ class LogitsPipeline:
         procs = [p for p in self.processors if not isinstance(p, MinTokens) or p.min_tokens > len(output_ids)]
         if not procs and self.constraint is None:
             return logits
-        ctx = RowContext(prompt_ids, output_ids, tree, rows, logits.shape[-1])
+        ctx = RowContext(prompt_ids, output_ids, tree, rows, logits.shape[-1], logits.device)
         x = logits.float().clone()
         for proc in procs:
             x = proc(x, ctx)
@@ -206,7 +211,7 @@ class LogitsPipeline:
         return x
 
     def _constrain(self, x: torch.Tensor, raw: torch.Tensor, tree: DraftTree | None) -> torch.Tensor:
-        allowed = self.constraint.masks(tree)
+        allowed = self.constraint.masks(tree).to(x.device)      # grammars compute masks on the CPU
         if allowed.shape != x.shape:
             raise ValueError(f"grammar masks {tuple(allowed.shape)} for logits {tuple(x.shape)}: vocabulary mismatch")
         x = x.masked_fill(~allowed, float("-inf"))

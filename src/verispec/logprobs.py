@@ -39,7 +39,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[T
     if not 0 <= k <= MAX_LOGPROBS:
         raise ValueError(f"the number of top logprobs must be in [0, {MAX_LOGPROBS}], got {k}")
     lp = torch.log_softmax(logits.float(), dim=-1)
-    ids = torch.tensor(token_ids, dtype=torch.long)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
     chosen = lp.gather(1, ids[:, None])[:, 0]
     ranks = (lp > chosen[:, None]).sum(-1) + 1
     top_v, top_i = lp.topk(k, dim=-1)                  # then equal values in token-id order
@@ -47,8 +47,6 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[T
     top_v, top_i = top_v.gather(1, order), top_i.gather(1, order)
     order = torch.argsort(top_v, dim=-1, descending=True, stable=True)
     top_v, top_i = top_v.gather(1, order), top_i.gather(1, order)
-    out = []
-    for n, tok in enumerate(token_ids):
-        top = tuple(zip(top_i[n].tolist(), top_v[n].tolist()))
-        out.append(TokenLogprob(tok, float(chosen[n]), int(ranks[n]), top))
-    return out
+    top_i, top_v, chosen, ranks = top_i.tolist(), top_v.tolist(), chosen.tolist(), ranks.tolist()  # one copy each
+    return [TokenLogprob(tok, float(chosen[n]), int(ranks[n]), tuple(zip(top_i[n], top_v[n])))
+            for n, tok in enumerate(token_ids)]

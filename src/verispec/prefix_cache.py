@@ -27,6 +27,8 @@ Contract
 - One cache serves one target model (and one feature set): the first engine ``bind``\\ s its
   ``CacheLayout``; an engine with another layout is refused with a ValueError.
 - Thread-safe: one lock around the index (``LLM.generate`` calls on threads share the cache).
+- Device: blocks are copied out of the engine's cache, so they live on its device (GPU memory on
+  CUDA, counted in ``budget_bytes`` all the same); a hit is copied into a row on that device.
 
 Store vs rebuild (measured, ``benchmarks/results/prefix_cache.md``): drafter state that depends on
 the prefix is not stored, only the target's features. Drafters are rebuilt by their own
@@ -135,6 +137,15 @@ def join_features(parts: list[TargetFeatures | None]) -> TargetFeatures | None:
     last = [p.last_hidden for p in parts]
     return TargetFeatures({i: torch.cat([p.hidden[i] for p in parts]) for i in parts[0].hidden},
                           None if last[0] is None else torch.cat(last))
+
+
+def features_to(f: TargetFeatures | None, device: torch.device) -> TargetFeatures | None:
+    """``f`` with every tensor on ``device`` (the same object when it is there already)."""
+    tensors = [] if f is None else [*f.hidden.values(), f.last_hidden]
+    if all(t is None or t.device == device for t in tensors):
+        return f
+    return TargetFeatures({i: h.to(device) for i, h in f.hidden.items()},
+                          None if f.last_hidden is None else f.last_hidden.to(device))
 
 
 def num_positions(f: TargetFeatures) -> int:

@@ -17,7 +17,10 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    """A request's generator on ``device`` (where its distributions live: a CUDA generator draws
+    from CUDA tensors), seeded with ``seed``, or from torch's global CPU generator when None. A
+    seed gives one stream per device type: the same seed draws other tokens on CPU and CUDA."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu")))
     return g

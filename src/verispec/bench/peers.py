@@ -1,4 +1,4 @@
-"""Hugging Face transformers peers, run on the same prompts, weights, dtype and threads.
+"""Hugging Face transformers peers, run on the same prompts, weights, dtype, device and threads.
 
 Three peer kinds, each a ``GenerationConfig`` for ``model.generate``:
 
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..device import module_device
 from ..metrics import SpecStats
 from ..models.config import LLAMA_FAMILY, ModelConfig
 from ..models.loading import LoadedModel, load_model
@@ -109,7 +110,7 @@ def hf_from_loaded(loaded: LoadedModel):
     model.load_state_dict(state, strict=False, assign=True)
     if loaded.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg).to(module_device(loaded.model))
     _check_materialized(model)
     return model.eval()
 
@@ -122,7 +123,7 @@ def hf_from_checkpoint(loaded: LoadedModel, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    return model.eval()
+    return model.to(module_device(loaded.model)).eval()          # on the verispec target's device
 
 
 def load_hf_model(loaded: LoadedModel, weights: str = "loader"):
@@ -234,11 +235,9 @@ class HFRunner:
             raise BenchError(f"{self.kind} runs one sequence at a time in HF transformers")
         pad = self.eos_token_ids[0] if self.eos_token_ids else 0
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+        dev = self.model.device
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=dev)
         extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
         if params.seed is not None:
             torch.manual_seed(params.seed)
@@ -302,7 +301,8 @@ class PeerFactory:
             small = hf_self_draft(self.model, layers)
         else:
             t0 = time.perf_counter()
-            draft = load_model(name, dtype=next(self.loaded.model.parameters()).dtype)
+            draft = load_model(name, dtype=next(self.loaded.model.parameters()).dtype,
+                               device=module_device(self.loaded.model))
             if draft.config.vocab_size != self.loaded.config.vocab_size:
                 raise BenchError(f"assistant {name!r} has another vocabulary than the target")
             small = load_hf_model(draft, self.weights)

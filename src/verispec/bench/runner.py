@@ -36,8 +36,8 @@ import torch
 from ..data import per_category, spec_bench_path, spec_bench_questions
 from ..llm import LLM
 from ..metrics import SpecStats
-from ..models.loading import LoadedModel, load_model, parse_dtype
-from ..models.packed import WeightFormat
+from ..device import module_device, resolve_device, same_device
+from ..models.loading import LoadedModel, check_weights, load_model, parse_dtype
 from ..models.sources import ModelSourceError
 from ..sampling import SamplingParams
 from ..shipped import model_stem, shipped_head
@@ -78,6 +78,7 @@ class BenchConfig:
     repeats: int = 1
     dtype: str = "float32"
     weights: str = "dense"
+    device: str = "cpu"                   # where the target and every method run (``verispec.device``)
     threads: int | None = None
     hf_weights: str = "loader"
     warmup_tokens: int = 16
@@ -108,7 +109,7 @@ class BenchConfig:
             raise BenchError(f"hf_weights must be 'loader' or 'shared', got {self.hf_weights!r}")
         parse_dtype(self.dtype)
         try:
-            WeightFormat.parse(self.weights)
+            check_weights(self.weights, self.dtype, self.device)
         except ValueError as e:
             raise BenchError(str(e)) from None
 
@@ -351,8 +352,8 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def machine_info(dtype: torch.dtype, meter: RssMeter) -> dict:
-    """CPU model, cores, memory, library versions, dtype and threads of this run."""
+def machine_info(dtype: torch.dtype, meter: RssMeter, device: torch.device = torch.device("cpu")) -> dict:
+    """CPU model, cores, memory, library versions, dtype, device (and GPU name) and threads of this run."""
     import transformers
     from .. import __version__ as verispec_version
     cpu = cpu_model()
@@ -366,7 +367,9 @@ def machine_info(dtype: torch.dtype, meter: RssMeter) -> dict:
             "memory_gib": round(mem_kib / 2**20, 1), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "verispec": verispec_version,
-            "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+            "dtype": str(dtype).replace("torch.", ""), "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(), "memory_source": meter.source,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
@@ -431,8 +434,10 @@ def run_group(runner: MethodRunner, where: Turn, config: BenchConfig, tokenizer,
 @torch.inference_mode()
 def top2_margin(model, ids: list[int]) -> float:
     """Gap between the target's two largest logits after ``ids`` (a plain, cache-free forward)."""
-    tokens = torch.tensor([ids])
-    out = model(tokens, torch.arange(len(ids))[None], logits_index=torch.tensor([[len(ids) - 1]]))
+    dev = module_device(model)
+    tokens = torch.tensor([ids], device=dev)
+    last = torch.tensor([[len(ids) - 1]], device=dev)
+    out = model(tokens, torch.arange(len(ids), device=dev)[None], logits_index=last)
     top = out.logits[0, -1].float().topk(2).values
     return float(top[0] - top[1])
 
@@ -476,16 +481,22 @@ def run_benchmark(config: BenchConfig, loaded: LoadedModel | None = None, progre
         torch.set_num_threads(config.threads)
     questions = select_questions(load_questions(config.dataset), config.categories, config.per_category)
     t0 = time.perf_counter()
-    loaded = loaded or load_model(config.model, dtype=config.dtype, weights=config.weights)
-    if next(loaded.model.parameters()).dtype != parse_dtype(config.dtype) or loaded.weights != config.weights:
+    try:
+        loaded = loaded or load_model(config.model, dtype=config.dtype, weights=config.weights, device=config.device)
+        on_device = same_device(module_device(loaded.model), resolve_device(config.device))
+    except ValueError as e:               # e.g. a CUDA device asked for on a machine without one
+        raise BenchError(str(e)) from None
+    if next(loaded.model.parameters()).dtype != parse_dtype(config.dtype) or loaded.weights != config.weights \
+            or not on_device:
         raise BenchError(f"the loaded target is {next(loaded.model.parameters()).dtype} with "
-                         f"{loaded.weights.value} weights, the config says {config.dtype} with {config.weights}; "
-                         "every method must run on one target")
+                         f"{loaded.weights.value} weights on {module_device(loaded.model)}, the config says "
+                         f"{config.dtype} with {config.weights} on {config.device}; every method must run on one target")
     specs = resolve_methods(config, loaded.name, loaded.config.num_layers)
     specs, runners = build_runners(specs, loaded, config)
     meter = RssMeter()
     dtype = next(loaded.model.parameters()).dtype
-    result = BenchResult(config.name, config.as_dict(), machine_info(dtype, meter), specs,
+    machine = machine_info(dtype, meter, module_device(loaded.model))
+    result = BenchResult(config.name, config.as_dict(), machine, specs,
                          load_s=time.perf_counter() - t0)
     t1 = time.perf_counter()
     warm_up(runners, loaded.tokenizer, questions[0], config)

@@ -53,7 +53,7 @@ def cmd_audit(args) -> int:
             raise ValueError("--speculative-config is required: the audit compares it with vanilla decoding")
         params = _params(args)              # --temperature 0: the greedy check alone
         llm = LLM(model=args.model, dtype=args.dtype, weights=args.weights, speculative_config=args.speculative_config,
-                  num_threads=args.threads, max_num_seqs=args.batch_size)
+                  num_threads=args.threads, max_num_seqs=args.batch_size, device=args.device)
         texts = _read_prompts(args.prompts)
         if args.chat:
             texts = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]

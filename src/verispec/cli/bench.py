@@ -12,6 +12,7 @@ import json
 import sys
 
 from ..bench import BenchError
+from ..device import add_device_argument
 from ..bench.runner import DEFAULT_METHODS, METHOD_NAMES, PRESETS, BenchConfig
 
 DEFAULT_OUT = "bench_results"
@@ -53,7 +54,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         model=args.model, methods=args.methods, method_configs=dict(args.method_config or []),
         preset=args.preset, dataset=args.dataset, categories=args.categories,
         per_category=args.per_category or None, max_tokens=args.max_tokens, temperature=args.temperature,
-        batch_sizes=args.batch_sizes, repeats=args.repeats, dtype=args.dtype, weights=args.weights, threads=args.threads,
+        batch_sizes=args.batch_sizes, repeats=args.repeats, dtype=args.dtype, weights=args.weights, device=args.device,
+        threads=args.threads,
         hf_weights=args.hf_weights, warmup_tokens=args.warmup_tokens, name=args.name, notes=args.notes or "")
 
 
@@ -113,6 +115,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--weights", choices=("dense", "fp16"), default="dense", help="matmul weights: dense (as loaded) or fp16 (FBGEMM fp16-packed, fp32 activations: faster on a CPU, not bit-equal to fp32; default %(default)s)")
+    add_device_argument(p)
     p.add_argument("--threads", type=int, help="torch threads for every method (default: torch's)")
     p.add_argument("--hf-weights", choices=("loader", "shared"), default="loader",
                    help="HF peers load the checkpoint with HF's own loader (default) or reuse "

@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from ..device import add_device_argument, device_type
+
 
 def _load_input(path: str | None, limit: int | None):
     from ..train.data import load_conversations, sharegpt_wheel_file
@@ -15,7 +17,10 @@ def _load_input(path: str | None, limit: int | None):
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
+    import torch
+
     from ..llm import LLM
+    from ..models.loading import parse_dtype
     from ..train.data import split_ids
     from ..train.regenerate import load_stats, parse_shard, regenerate, select_shard, shard_output
     try:
@@ -26,8 +31,13 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     if args.skip_heldout > 0:
         convs, _ = split_ids(convs, args.skip_heldout, args.split_seed)
     out = shard_output(args.output, index, count)
-    llm = LLM(model=args.model, speculative_config=args.speculative_config, max_num_seqs=args.batch_size,
-              num_threads=args.threads, weights=args.weights)
+    try:
+        cpu_fp32 = device_type(args.device) == "cpu" and parse_dtype(args.dtype) == torch.float32
+        weights = args.weights or ("fp16" if cpu_fp32 else "dense")
+        llm = LLM(model=args.model, speculative_config=args.speculative_config, max_num_seqs=args.batch_size,
+                  num_threads=args.threads, weights=weights, dtype=args.dtype, device=args.device)
+    except ValueError as e:
+        raise SystemExit(f"verispec data regenerate: {e}") from None
     print(f"regenerating {len(convs)} conversations (shard {index}/{count}) into {out}", file=sys.stderr)
     run = regenerate(llm, convs, out, temperature=args.temperature, max_tokens=args.max_tokens,
                      max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
@@ -96,9 +106,13 @@ def add_parser(sub) -> None:
     r.add_argument("--max-turns", type=int, default=1)
     r.add_argument("--max-prompt-tokens", type=int, default=512)
     r.add_argument("--batch-size", type=int, default=64, help="rows decoded together (continuous batching)")
-    r.add_argument("--weights", choices=["dense", "fp16"], default="fp16",
-                   help="target matmul weights: fp16 (default here: FBGEMM fp16-packed, faster on a CPU; "
-                        "the answers are those of the fp16-rounded target) or dense (as loaded)")
+    r.add_argument("--weights", choices=["dense", "fp16"], default=None,
+                   help="target matmul weights: fp16 (FBGEMM fp16-packed, faster on a CPU; the answers are "
+                        "those of the fp16-rounded target) or dense (as loaded). Default: fp16 for a float32 "
+                        "target on the CPU, dense otherwise (fp16 packing is CPU only)")
+    r.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16 (the fast path on CUDA) "
+                                                     "or float16 (default: %(default)s)")
+    add_device_argument(r)
     r.add_argument("--shard", default="0/1",
                    help="i/n: only the conversations whose index in the input (after --limit) is i mod n; "
                         "run n processes with i = 0..n-1 to split the work (each writes its own file)")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..device import add_device_argument
+
 
 def cmd_features(args: argparse.Namespace) -> int:
     import torch
@@ -12,7 +14,7 @@ def cmd_features(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prep = prepare_data(args.model, args.data, max_length=args.max_length, heldout_fraction=args.heldout_fraction,
-                        limit=args.limit)
+                        limit=args.limit, device=args.device)
     n = prep.target.model.cfg.num_layers
     ids = tuple(args.aux_layer_ids) if args.aux_layer_ids else EagleHeadConfig.default_aux_layer_ids(n)
     layers = tuple(k - 1 for k in ids)
@@ -33,5 +35,6 @@ def add_features_parser(dsub) -> None:
     f.add_argument("--aux-layer-ids", type=int, nargs=3, help="vLLM ids (k = output of layer k-1)")
     f.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     f.add_argument("--threads", type=int)
+    add_device_argument(f)
     f.add_argument("--quiet", action="store_true")
     f.set_defaults(func=cmd_features)

@@ -5,10 +5,12 @@ import argparse
 import json
 import sys
 
+from ..device import add_device_argument
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (bfloat16 on CUDA; default: %(default)s)")
     p.add_argument("--weights", choices=("dense", "fp16"), default="dense", help="matmul weights: dense (as loaded) or fp16 (FBGEMM fp16-packed, fp32 activations: faster on a CPU, not bit-equal to fp32; default %(default)s)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
@@ -25,6 +27,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_device_argument(p)
 
 
 def add_parser(sub) -> None:
@@ -60,7 +63,7 @@ def _params(args):
 def _llm(args):
     from .. import LLM
     return LLM(model=args.model, dtype=args.dtype, weights=args.weights, speculative_config=args.speculative_config,
-               num_threads=args.threads, max_num_seqs=1)
+               num_threads=args.threads, max_num_seqs=1, device=args.device)
 
 
 def _errors(fn):

@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 
+from ..device import add_device_argument
+
 POLICY_KEY = "num_speculative_tokens_per_batch_size"
 
 
@@ -83,6 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per prefix-cache block; only whole blocks are reused (default: 16)")
     p.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16")
     p.add_argument("--weights", choices=("dense", "fp16"), default="dense", help="matmul weights: dense (as loaded) or fp16 (FBGEMM fp16-packed, fp32 activations: faster on a CPU, not bit-equal to fp32; default %(default)s)")
+    add_device_argument(p)
     p.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
     p.add_argument("--shutdown-grace", type=_positive_float, default=10.0, metavar="SECONDS",
                    help="on shutdown, time given to running requests to finish (default: 10)")
@@ -148,7 +151,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         llm = LLM(args.model, dtype=args.dtype, weights=args.weights, speculative_config=spec, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, num_threads=args.num_threads,
-                  prefix_cache_mb=args.prefix_cache_mb, prefix_cache_block_size=args.prefix_cache_block_size)
+                  prefix_cache_mb=args.prefix_cache_mb, prefix_cache_block_size=args.prefix_cache_block_size,
+                  device=args.device)
     except Exception as e:          # noqa: BLE001 - any loading failure ends the command
         print(f"verispec serve: cannot load {args.model!r}: {e}", file=sys.stderr)
         return 1
@@ -163,8 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=int(args.shutdown_grace) + 1,
                                            access_log=args.log_level == "debug"), app.state.server, args.shutdown_grace)
     logging.getLogger("verispec.serve").info(
-        "serving %s on http://%s:%d (max_num_seqs=%d, max_model_len=%d, speculation=%s, policy=%s, "
-        "prefix_cache_mb=%g)", args.model, args.host, args.port, args.max_num_seqs, llm.max_model_len,
+        "serving %s on http://%s:%d (device=%s, max_num_seqs=%d, max_model_len=%d, speculation=%s, policy=%s, "
+        "prefix_cache_mb=%g)", args.model, args.host, args.port, llm.device, args.max_num_seqs, llm.max_model_len,
         llm.spec.as_dict() if llm.spec else None, type(policy).__name__ if policy else None, args.prefix_cache_mb)
     server.run()
     return 0 if server.started else 1

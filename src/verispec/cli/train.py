@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..device import add_device_argument
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="target model (name or path)")
@@ -29,6 +31,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--threads", type=int)
+    add_device_argument(p)
     p.add_argument("--quiet", action="store_true")
 
 
@@ -39,7 +42,7 @@ def train_config(args):
                        warmup_ratio=args.warmup_ratio, max_grad_norm=args.max_grad_norm, dtype=args.dtype,
                        seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
                        save_every=args.save_every, resume=not args.no_resume, progress=not args.quiet,
-                       stop_after=args.stop_after)
+                       stop_after=args.stop_after, device=args.device)
 
 
 def cmd_eagle3(args: argparse.Namespace) -> int:
@@ -55,7 +58,7 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prep = prepare_data(args.model, args.data, max_length=args.max_length,
-                        heldout_fraction=args.heldout_fraction, limit=args.limit)
+                        heldout_fraction=args.heldout_fraction, limit=args.limit, device=args.device)
     target = prep.target.model
     vocab_path = Path(args.out) / "draft_vocab.pt"
     counts = token_counts(((e.input_ids, e.loss_mask) for e in prep.train), target.cfg.vocab_size)
@@ -63,7 +66,7 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
         head, vocab = _warm_head(args, target)
     else:
         if vocab_path.exists() and not args.no_resume:
-            vocab = torch.load(vocab_path, weights_only=False)      # resume: keep the first run's vocabulary
+            vocab = torch.load(vocab_path, weights_only=False, map_location="cpu")   # resume: the first run's vocabulary
         else:
             eos = [i for i in prep.target.config.eos_token_ids if i < target.cfg.vocab_size]
             vocab = build_draft_vocab(counts, min(args.draft_vocab_size, target.cfg.vocab_size), always=eos)
@@ -120,7 +123,7 @@ def _warm_head(args: argparse.Namespace, target):
     if args.eagle31 and not (cfg.fc_norm and cfg.norm_output):
         raise SystemExit("--eagle31 given, but the --init-from head is an EAGLE-3 (not 3.1) head")
     head = head.float().train().requires_grad_(True)
-    return head, DraftVocab(d2t=head.d2t.clone(), t2d=head.t2d.clone())
+    return head, DraftVocab(d2t=head.d2t.cpu().clone(), t2d=head.t2d.cpu().clone())     # saved and counted on the host
 
 
 def cmd_ship(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ def _setup(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     return prepare_data(args.model, args.data, max_length=args.max_length,
-                        heldout_fraction=args.heldout_fraction, limit=args.limit)
+                        heldout_fraction=args.heldout_fraction, limit=args.limit, device=args.device)
 
 
 def _save_dtype(args):

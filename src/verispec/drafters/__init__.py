@@ -55,7 +55,8 @@ def build_drafter_factory(config: SpeculativeConfig, target) -> DrafterFactory:
 def _ngram(config: NgramConfig, target) -> DrafterFactory:
     from .ngram import NgramDrafter
     drafter = NgramDrafter(config.num_speculative_tokens or 5, config.prompt_lookup_min,
-                           config.prompt_lookup_max, config.num_matches, config.prompt_lookup_extra)
+                           config.prompt_lookup_max, config.num_matches, config.prompt_lookup_extra,
+                           device=target_device(target))
     return lambda max_batch, max_len: drafter
 
 
@@ -64,7 +65,7 @@ def _suffix(config: SuffixConfig, target) -> DrafterFactory:
     """SuffixDecoding: the global tree is made here, once per LLM / server, and shared by every
     engine the factory makes (a later generate call drafts from earlier outputs)."""
     from .suffix import build_suffix_factory
-    return build_suffix_factory(config)
+    return build_suffix_factory(config, target_device(target))
 
 
 @register("draft_model", config=DraftModelConfig)
@@ -101,9 +102,16 @@ def _load_draft_model(config: DraftModelConfig, target):
     from ..models.loading import parse_dtype
     dtype = parse_dtype(config.draft_dtype or next(target.model.parameters()).dtype)
     weights = target.weights if dtype == torch.float32 else "dense"   # the draft follows the target
-    draft = load_model(config.model, dtype=dtype, weights=weights)
+    draft = load_model(config.model, dtype=dtype, weights=weights, device=target_device(target))
     check_same_vocab(target, draft)
     return draft.model
+
+
+def target_device(target):
+    """The device of a loaded target (``LoadedModel``; None: the CPU): its drafter's device."""
+    from ..device import module_device
+    import torch
+    return module_device(target.model) if target is not None else torch.device("cpu")
 
 
 def self_draft(model, num_layers: int):

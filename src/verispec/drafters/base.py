@@ -10,6 +10,9 @@ Life of a sequence in batch row ``row``:
 
 ``features`` are ``TargetFeatures`` (hidden states of the layers the drafter asked for in
 ``hidden_layers``, and the final-normed state when ``needs_last_hidden``), or None.
+Device: a drafter returns trees whose tensors (tokens, parents, q) are on the engine's device,
+which is the target's (``device.module_device(target.model)``): drafters are built for a loaded
+target, their weights and caches on its device.
 Drafters never see the verifier, the target cache or the metrics, nor the acceptance rule (the
 engine's ``acceptance``) or a request's constraints: the engine prunes a proposed tree to what a
 request's grammar allows (``logits.LogitsPipeline.restrict``) before verifying it.
@@ -53,6 +56,22 @@ class Drafter(Protocol):
     def accept(self, row: int, committed_ids: list[int], features: TargetFeatures | None) -> None: ...
 
     def release(self, row: int) -> None: ...
+
+
+def tree_on(tree: DraftTree, device: torch.device) -> DraftTree:
+    """``tree`` with its tensors on ``device`` (the engine's): drafters that build trees on the
+    CPU (n-gram, suffix, static choices) hand them over through this."""
+    if tree.tokens.device == device and tree.parents.device == device and \
+            (tree.q is None or tree.q.device == device):
+        return tree
+    return DraftTree(tree.tokens.to(device), tree.parents.to(device), None if tree.q is None else tree.q.to(device))
+
+
+def tree_from_lists(tokens: list[int], parents: list[int], device: torch.device,
+                    q: torch.Tensor | None = None) -> DraftTree:
+    """A ``DraftTree`` of plain lists, made on ``device``."""
+    return DraftTree(torch.tensor(tokens, dtype=torch.long, device=device),
+                     torch.tensor(parents, dtype=torch.long, device=device), q)
 
 
 class StatelessDrafter:

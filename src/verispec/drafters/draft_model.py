@@ -28,7 +28,7 @@ from ..models.packed import PackedFP16Linear
 from ..models.transformer import Transformer
 from ..sampling import target_probs
 from ..tree import ChoicesFiller, DraftTree, pack_trees, validate_choices
-from .base import DraftRequest
+from .base import DraftRequest, tree_from_lists, tree_on
 
 
 class DraftModelDrafter:
@@ -55,13 +55,15 @@ class DraftModelDrafter:
                              f"have that many rows (cut it once with with_vocab_head), it has "
                              f"{model.lm_head.out_features}")
         self.vocab_size = model.cfg.vocab_size
-        self.draft_ids = None if vocab is None else vocab.draft_ids
+        self.device = next(model.parameters()).device      # the target's: cache, inputs and trees live there
+        self.draft_ids = None if vocab is None else vocab.draft_ids.to(self.device)
         self.model = model
         self.k = num_speculative_tokens
         self.choices = validate_choices(tree) if tree else None
         self.max_tree_nodes = len(self.choices) if self.choices else self.k
         dtype = next(model.parameters()).dtype
-        self.cache = KVCache.for_model(model.cfg, max_batch, max_len + self.max_tree_nodes + 1, dtype)
+        self.cache = KVCache.for_model(model.cfg, max_batch, max_len + self.max_tree_nodes + 1, dtype,
+                                       device=self.device)
         self.cached: dict[int, list[int]] = {}
 
     # -- protocol --------------------------------------------------------------------------
@@ -96,7 +98,7 @@ class DraftModelDrafter:
         for r in requests:
             have = self.cached.setdefault(r.row, [])
             m = _common_prefix(have, r.context[:-1])
-            self.cache.rollback(torch.tensor([r.row]), m)
+            self.cache.rollback(torch.tensor([r.row], device=self.device), m)
             del have[m:]
             feeds.append(r.context[m:])
         short = [i for i, f in enumerate(feeds) if len(f) <= self.max_tree_nodes + 2]
@@ -109,16 +111,15 @@ class DraftModelDrafter:
         return torch.stack(logits)
 
     def _feed(self, requests: list[DraftRequest], feeds: list[list[int]]) -> torch.Tensor:
-        rows = torch.tensor([r.row for r in requests])
+        dev = self.device
+        rows = torch.tensor([r.row for r in requests], device=dev)
         t = max(len(f) for f in feeds)
-        tokens = torch.zeros(len(feeds), t, dtype=torch.long)
-        for i, f in enumerate(feeds):
-            tokens[i, :len(f)] = torch.tensor(f)
-        positions = self.cache.lengths[rows][:, None] + torch.arange(t)
-        last = torch.tensor([[len(f) - 1] for f in feeds])
+        tokens = torch.tensor([f + [0] * (t - len(f)) for f in feeds], dtype=torch.long, device=dev)
+        positions = self.cache.lengths[rows][:, None] + torch.arange(t, device=dev)
+        last = torch.tensor([[len(f) - 1] for f in feeds], device=dev)
         out = self._logits(tokens, positions, rows=rows, logits_index=last)
-        for r, f in zip(requests, feeds):
-            self.cache.advance(torch.tensor([r.row]), len(f))
+        for i, (r, f) in enumerate(zip(requests, feeds)):
+            self.cache.advance(rows[i:i + 1], len(f))
             self.cached[r.row].extend(f)
         return out[:, 0]
 
@@ -138,7 +139,7 @@ class DraftModelDrafter:
         return int(torch.multinomial(q, 1, generator=r.generator)), q
 
     def _chains(self, requests, logits) -> list[DraftTree]:
-        rows = torch.tensor([r.row for r in requests])
+        rows = torch.tensor([r.row for r in requests], device=self.device)
         toks: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
         caps = [self.k if r.max_nodes is None else min(self.k, r.max_nodes) for r in requests]
@@ -156,13 +157,14 @@ class DraftModelDrafter:
                 break
             # every row is fed (its last token): rows that stopped keep their cache in step and
             # their extra slot is rolled back by prefix matching at the next catch-up
-            feed = torch.tensor([[t[-1] if t else r.context[-1]] for t, r in zip(toks, requests)])
+            feed = torch.tensor([[t[-1] if t else r.context[-1]] for t, r in zip(toks, requests)],
+                                device=self.device)
             pos = self.cache.lengths[rows][:, None].clone()
             logits = self._logits(feed, pos, rows=rows)[:, 0]
             self.cache.advance(rows, 1)
             for i, r in enumerate(requests):
                 self.cached[r.row].append(toks[i][-1] if toks[i] else r.context[-1])
-        return [DraftTree.chain(t, torch.stack(q) if q else None) if t else DraftTree.empty()
+        return [tree_from_lists(t, list(range(-1, len(t) - 1)), self.device, torch.stack(q) if q else None)
                 for t, q in zip(toks, qs)]
 
     def _confident(self, logits: torch.Tensor, x: int, q: torch.Tensor | None, r: DraftRequest) -> bool:
@@ -178,7 +180,7 @@ class DraftModelDrafter:
         Scratch K/V of the partial trees is written after each row's committed prefix and never
         committed. Rows whose candidates run out (sampling without replacement over a small
         support) simply get fewer nodes; padded nodes attend only to themselves."""
-        rows = torch.tensor([r.row for r in requests])
+        rows = torch.tensor([r.row for r in requests], device=self.device)
         base = self.cache.lengths[rows].clone()
         fillers = [ChoicesFiller(self.choices) for _ in requests]
         for f, r, lg in zip(fillers, requests, root_logits):
@@ -187,12 +189,13 @@ class DraftModelDrafter:
             expand = [f.expandable(depth) for f in fillers]
             if not any(expand):
                 break
-            tokens, positions, mask = pack_trees([f.tree() for f in fillers], base)   # all nodes so far
+            packed = pack_trees([f.tree() for f in fillers], base)      # all nodes so far, built on the host
+            tokens, positions, mask = (x.to(self.device) for x in packed)
             logits = self._logits(tokens, positions, attn_mask=mask, rows=rows)
             for b, (f, r) in enumerate(zip(fillers, requests)):
                 for path in expand[b]:
                     f.add_children(path, *self._ranked(logits[b, f.index[path]], r))
-        return [f.tree(q=not r.params.greedy) for f, r in zip(fillers, requests)]
+        return [tree_on(f.tree(q=not r.params.greedy), self.device) for f, r in zip(fillers, requests)]
 
     def _ranked(self, logits: torch.Tensor, r: DraftRequest) -> tuple[list[int], list]:
         """Candidates by rank: top-k (greedy) or draws without replacement with their q."""

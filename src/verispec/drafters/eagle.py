@@ -31,7 +31,7 @@ from ..models.packed import follows_packed_target
 from ..shipped import with_shipped_head
 from ..spec_config import SpecConfigError, TreeHeadConfig
 from ..tree import DraftTree, pack_trees
-from .base import DraftRequest, TargetFeatures
+from .base import DraftRequest, TargetFeatures, tree_on
 from .dynamic_tree import DynamicTreeConfig, RankBy, Ranked, StaticTreeConfig, TreeBuilder, TreeConfig, rank
 from .eagle_head import EagleHead, HeadKind
 
@@ -50,6 +50,7 @@ class EagleDrafter:
         self.hidden_layers = tuple(head.hidden_layers)
         self.needs_last_hidden = bool(head.needs_last_hidden)
         self.max_tree_nodes = tree.max_nodes
+        self.device = head.embed_tokens.device       # the target's: cache, inputs and trees live there
         self._cap = tree.max_depth + 1        # pending pairs per row in steady state
         self.cache = head.new_cache(max_batch, max_len + self._cap + tree.max_expanded + 2)
         self.pending: dict[int, list[torch.Tensor]] = {}
@@ -120,19 +121,18 @@ class EagleDrafter:
 
     def _feed_pairs(self, rows: list[int], feeds: list[tuple[list[int], torch.Tensor]]):
         t = max(len(toks) for toks, _ in feeds)
-        b = len(rows)
-        rows_t = torch.tensor(rows)
-        tokens = torch.zeros(b, t, dtype=torch.long)
-        hidden = torch.zeros(b, t, feeds[0][1].shape[-1], dtype=feeds[0][1].dtype)
+        b, dev = len(rows), self.device
+        rows_t = torch.tensor(rows, device=dev)
+        tokens = torch.tensor([toks + [0] * (t - len(toks)) for toks, _ in feeds], dtype=torch.long, device=dev)
+        hidden = torch.zeros(b, t, feeds[0][1].shape[-1], dtype=feeds[0][1].dtype, device=dev)
         for i, (toks, feats) in enumerate(feeds):
-            tokens[i, :len(toks)] = torch.tensor(toks)
             hidden[i, :len(toks)] = feats
         start = self.cache.lengths[rows_t]
-        positions = start[:, None] + torch.arange(t)
-        last = torch.tensor([[len(toks) - 1] for toks, _ in feeds])
+        positions = start[:, None] + torch.arange(t, device=dev)
+        last = torch.tensor([[len(toks) - 1] for toks, _ in feeds], device=dev)
         out = self.head(tokens, positions, hidden, self.cache, rows=rows_t, logits_at=last)
-        for row, (toks, _) in zip(rows, feeds):
-            self.cache.advance(torch.tensor([row]), len(toks))
+        for i, (toks, _) in enumerate(feeds):
+            self.cache.advance(rows_t[i:i + 1], len(toks))
         state = torch.gather(out.hidden, 1, last[..., None].expand(-1, -1, out.hidden.shape[-1]))[:, 0]
         return state, out.logits[:, 0]
 
@@ -141,7 +141,7 @@ class EagleDrafter:
               root_hidden: torch.Tensor) -> None:
         """One head forward per level over every row's frontier nodes (T = the widest frontier).
         Each level takes T scratch slots per row, after the slots of the earlier levels."""
-        rows = torch.tensor([r.row for r in requests])
+        rows = torch.tensor([r.row for r in requests], device=self.device)
         lengths = self.cache.lengths[rows]
         scratches = [_Scratch(root_hidden[i]) for i in range(len(requests))]
         while True:
@@ -165,31 +165,37 @@ class EagleDrafter:
         tokens [B, t] (target ids), positions [B, t] (``lengths[i] + depth - 1``), input states
         hidden [B, t, h] (each node's parent's output) and local_mask [B, t, scratch + t] over
         the row's scratch slots (a node sees itself and its ancestors' slots; padding itself)."""
-        hidden = torch.zeros(len(fronts), t, self.head.cfg.hidden_size, dtype=self.head.embed_tokens.dtype)
+        dev = self.device
+        hidden = torch.zeros(len(fronts), t, self.head.cfg.hidden_size, dtype=self.head.embed_tokens.dtype,
+                             device=dev)
         scratch = len(scratches[0])
         for i, (f, sc) in enumerate(zip(fronts, scratches)):
             parents, toks = [], []
             if f:
                 nodes = builders[i].nodes
                 parents = [nodes.parents[n] for n in f]
-                toks = self.head.draft_to_target(torch.tensor([nodes.tokens[n] for n in f])).tolist()
+                toks = self._to_target([nodes.tokens[n] for n in f]).tolist()
             for j, parent in enumerate(parents):
                 hidden[i, j] = sc.state[parent]
             sc.add_level(f, parents, toks, t)
-        tokens, positions, mask = pack_trees([sc.tree() for sc in scratches], lengths)
-        return tokens[:, scratch:], positions[:, scratch:], hidden, mask[:, scratch:]
+        tokens, positions, mask = pack_trees([sc.tree() for sc in scratches], lengths)   # host-built
+        return (tokens[:, scratch:].to(dev), positions[:, scratch:].to(dev), hidden, mask[:, scratch:].to(dev))
+
+    def _to_target(self, draft_ids: list[int]) -> torch.Tensor:
+        """Target ids [N] (on the device) of draft-vocabulary ids."""
+        return self.head.draft_to_target(torch.tensor(draft_ids, dtype=torch.long, device=self.device))
 
     def _to_tree(self, builder: TreeBuilder | None) -> DraftTree:
         if builder is None:
-            return DraftTree.empty()
+            return tree_on(DraftTree.empty(), self.device)
         keep = builder.select()
         if not keep:
-            return DraftTree.empty()
+            return tree_on(DraftTree.empty(), self.device)
         new = {old: i for i, old in enumerate(keep)}
         nodes = builder.nodes
-        toks = self.head.draft_to_target(torch.tensor([nodes.tokens[n] for n in keep], dtype=torch.long))
+        toks = self._to_target([nodes.tokens[n] for n in keep])
         parents = torch.tensor([new[nodes.parents[n]] if nodes.parents[n] >= 0 else -1 for n in keep],
-                               dtype=torch.long)
+                               dtype=torch.long, device=self.device)
         return DraftTree(toks, parents)
 
 
@@ -218,7 +224,9 @@ class _Scratch:
         self.parents += [-1] * pad
 
     def tree(self) -> DraftTree:
-        return DraftTree(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents, dtype=torch.long))
+        """The slots as a tree on the host (``pack_trees`` reads it as lists)."""
+        return DraftTree(torch.tensor(self.tokens, dtype=torch.long, device="cpu"),
+                         torch.tensor(self.parents, dtype=torch.long, device="cpu"))
 
 
 # -- configuration -----------------------------------------------------------------------------

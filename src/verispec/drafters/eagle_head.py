@@ -118,23 +118,26 @@ class WideAttention(Attention):
 
 
 def attention_plan(cache: KVCache | None, rows: torch.Tensor | None, t: int, scratch: int,
-                   local_mask: torch.Tensor | None, b: int):
-    """Slots, used length and the [B,1,T,used] bool mask for T new tokens.
+                   local_mask: torch.Tensor | None, b: int, device: torch.device | None = None):
+    """Slots, used length and the [B,1,T,used] bool mask for T new tokens, on ``device`` (default:
+    the cache's, else the CPU).
 
     With a cache, row r's committed slots ``< lengths[r]`` are visible to every new token; the
     ``scratch`` slots after them (earlier tree levels, never committed) and the T new tokens
     (written at ``lengths[r] + scratch + 0..T-1``) are visible as ``local_mask [B, T, scratch+T]``
     says (default: causal over the new tokens, no scratch)."""
+    dev = device if device is not None else (cache.lengths.device if cache is not None else torch.device("cpu"))
     if local_mask is None:
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        local_mask = torch.cat([torch.zeros(t, scratch, dtype=torch.bool), causal], 1).expand(b, t, scratch + t)
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        none = torch.zeros(t, scratch, dtype=torch.bool, device=dev)
+        local_mask = torch.cat([none, causal], 1).expand(b, t, scratch + t)
     if cache is None:
         return None, t, local_mask[:, None, :, scratch:]
     cache.check_room(rows, scratch + t)
     lengths = cache.lengths[rows]
-    slots = lengths[:, None] + scratch + torch.arange(t)
+    slots = lengths[:, None] + scratch + torch.arange(t, device=dev)
     used = int(lengths.max()) + scratch + t
-    rel = torch.arange(used)[None, None, :] - lengths[:, None, None]            # [B,1,used]
+    rel = torch.arange(used, device=dev)[None, None, :] - lengths[:, None, None]            # [B,1,used]
     width = scratch + t
     inside = (rel >= 0) & (rel < width)
     local = torch.gather(local_mask, 2, rel.clamp(0, width - 1).expand(b, t, used))
@@ -156,7 +159,9 @@ class _HeadBase(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.layer_config()), persistent=False)
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
-        return KVCache.for_model(self.cfg.layer_config(), max_batch, max_len, self.embed_tokens.dtype)
+        """The head's one-layer cache, in its dtype on its device."""
+        return KVCache.for_model(self.cfg.layer_config(), max_batch, max_len, self.embed_tokens.dtype,
+                                 device=self.embed_tokens.device)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions[..., None].float() * self.inv_freq
@@ -222,8 +227,8 @@ class Eagle3Head(_HeadBase):
                 compute_logits: bool = True) -> HeadOutput:
         """``tokens``/``positions`` [B,T] (target ids), ``hidden`` [B,T,h]; see ``attention_plan``."""
         b, t = tokens.shape
-        rows = torch.arange(b) if rows is None and cache is not None else rows
-        slots, used, mask = attention_plan(cache, rows, t, scratch, local_mask, b)
+        rows = torch.arange(b, device=tokens.device) if rows is None and cache is not None else rows
+        slots, used, mask = attention_plan(cache, rows, t, scratch, local_mask, b, tokens.device)
         cos, sin = self._rope(positions, hidden.dtype)
         x = torch.cat([self.input_layernorm(self._embed(tokens)), self.hidden_norm(hidden)], dim=-1)
         h = hidden + self.attn(x, cos, sin, mask, cache, rows, slots, used)
@@ -272,8 +277,8 @@ class Eagle1Head(_HeadBase):
                 compute_logits: bool = True) -> HeadOutput:
         """Same contract as ``Eagle3Head.forward``; ``out`` is the predicted next target feature."""
         b, t = tokens.shape
-        rows = torch.arange(b) if rows is None and cache is not None else rows
-        slots, used, mask = attention_plan(cache, rows, t, scratch, local_mask, b)
+        rows = torch.arange(b, device=tokens.device) if rows is None and cache is not None else rows
+        slots, used, mask = attention_plan(cache, rows, t, scratch, local_mask, b, tokens.device)
         cos, sin = self._rope(positions, hidden.dtype)
         x = self.fc(torch.cat([self._embed(tokens), hidden], dim=-1))
         x = x + self.attn(x, cos, sin, mask, cache, rows, slots, used)
@@ -286,26 +291,27 @@ EagleHead = Eagle1Head | Eagle3Head
 
 
 def new_eagle_head(cfg: EagleHeadConfig, target_model) -> EagleHead:
-    """A freshly initialised head for ``target_model`` (our ``Transformer``) in the target's dtype,
+    """A freshly initialised head for ``target_model`` (our ``Transformer``) in the target's dtype
+    on its device,
     sharing the target's embedding unless ``cfg.own_embedding`` (EAGLE-1: and its lm_head)."""
-    dtype = next(target_model.parameters()).dtype
+    first = next(target_model.parameters())
     embed = None if cfg.own_embedding else target_model.embed.weight.detach()
     if cfg.kind is HeadKind.EAGLE3:
         head = Eagle3Head(cfg, embed)
     else:
         head = Eagle1Head(cfg, embed, target_model.lm_head.weight.detach())
-    return head.to(dtype)
+    return head.to(first.device, first.dtype)
 
 
 def init_head_weights(head: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
     """Deterministic random init (tests, training start): linears ~ N(0, std), norms = 1."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)      # on the CPU: the same numbers on any device
     with torch.no_grad():
         for name, p in head.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
             elif p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+                p.copy_(torch.randn(p.shape, generator=g, device="cpu") * std)
             else:
                 p.zero_()
     return head

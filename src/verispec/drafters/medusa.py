@@ -24,7 +24,8 @@ from ..models.packed import follows_packed_target
 from ..shipped import with_shipped_head
 from ..spec_config import MedusaSpecConfig, SpecConfigError
 from ..tree import DraftTree, tree_from_choices
-from .base import DraftRequest, TargetFeatures
+from ..device import module_device
+from .base import DraftRequest, TargetFeatures, tree_on
 from .dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
 from .medusa_head import MedusaHeads
 
@@ -52,6 +53,7 @@ class MedusaDrafter:
         self.choices = tree.choices
         self.max_tree_nodes = tree.max_nodes
         self.width = 1 + max(c[-1] for c in self.choices)
+        self.device = module_device(heads)               # the target's: trees are handed over there
         self.last: dict[int, torch.Tensor] = {}        # row -> f_t at the last committed position
 
     def start(self, row: int, prompt_ids: list[int], features: TargetFeatures | None) -> None:
@@ -68,12 +70,12 @@ class MedusaDrafter:
         if not requests:
             return []
         f = torch.stack([self.last[r.row] for r in requests])
-        ranked = torch.topk(self.heads(f.to(_dtype(self.heads))), self.width, dim=-1).indices   # [B, K, w]
+        ranked = torch.topk(self.heads(f.to(_dtype(self.heads))), self.width, dim=-1).indices.tolist()   # [B, K, w]
         trees = []
         for i, r in enumerate(requests):
-            top = ranked[i].tolist()
+            top = ranked[i]
             tree = tree_from_choices(self.choices, lambda path, top=top: top[len(path)])
-            trees.append(tree.prefix(r.max_nodes))
+            trees.append(tree_on(tree.prefix(r.max_nodes), self.device))
         return trees
 
 

@@ -18,12 +18,14 @@ import numpy as np
 import torch
 
 from ..tree import DraftTree
-from .base import DraftRequest, StatelessDrafter
+from .base import DraftRequest, StatelessDrafter, tree_from_lists
 
 
 class NgramDrafter(StatelessDrafter):
     def __init__(self, num_speculative_tokens: int = 5, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 4, num_matches: int = 1, extra: int | None = None):
+                 prompt_lookup_max: int = 4, num_matches: int = 1, extra: int | None = None,
+                 device: str | torch.device = "cpu"):
+        """``device``: where the proposed trees' tensors go (the engine's; matching is on the host)."""
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{prompt_lookup_min}, {prompt_lookup_max}")
@@ -36,13 +38,14 @@ class NgramDrafter(StatelessDrafter):
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
         self.num_matches = num_matches
         self.max_tree_nodes = num_speculative_tokens * num_matches
+        self.device = torch.device(device)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         out = []
         for r in requests:
             k = self.k if r.max_nodes is None else min(self.k, r.max_nodes)
             conts = self.continuations(r.context, k) if k > 0 else []
-            out.append(_trie(conts, (r.max_nodes if r.max_nodes is not None else self.max_tree_nodes)))
+            out.append(_trie(conts, (r.max_nodes if r.max_nodes is not None else self.max_tree_nodes), self.device))
         return out
 
     def continuations(self, context: list[int], k: int) -> list[list[int]]:
@@ -66,7 +69,7 @@ class NgramDrafter(StatelessDrafter):
         return found
 
 
-def _trie(conts: list[list[int]], max_nodes: int) -> DraftTree:
+def _trie(conts: list[list[int]], max_nodes: int, device: torch.device) -> DraftTree:
     toks, pars, index = [], [], {}
     for cont in conts:
         parent = -1
@@ -79,4 +82,4 @@ def _trie(conts: list[list[int]], max_nodes: int) -> DraftTree:
                 toks.append(cont[i])
                 pars.append(parent)
             parent = index[key]
-    return DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long))
+    return tree_from_lists(toks, pars, device)

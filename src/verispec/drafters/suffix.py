@@ -51,7 +51,7 @@ import torch
 
 from ..spec_config import SpecConfigError, SuffixConfig
 from ..tree import DraftTree
-from .base import DraftRequest
+from .base import DraftRequest, tree_from_lists
 
 INSTALL_HINT = ("method 'suffix' needs arctic-inference (`pip install arctic-inference==0.3.0` or "
                 "`pip install verispec[suffix]`: an sdist, built with cmake and a C++20 compiler; "
@@ -77,8 +77,8 @@ class SuffixDraft:
     score: float
     match_len: int
 
-    def tree(self) -> DraftTree:
-        return DraftTree(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents, dtype=torch.long))
+    def tree(self, device: str | torch.device = "cpu") -> DraftTree:
+        return tree_from_lists(self.tokens, self.parents, torch.device(device))
 
 
 class SuffixCache:
@@ -151,7 +151,8 @@ class SuffixDrafter:
     needs_last_hidden: bool = False
 
     def __init__(self, cache: SuffixCache, num_speculative_tokens: int = 24, max_spec_factor: float = 1.0,
-                 min_token_prob: float = 0.1):
+                 min_token_prob: float = 0.1, device: str | torch.device = "cpu"):
+        """``device``: where the proposed trees' tensors go (the engine's; the trees are host C++)."""
         if num_speculative_tokens < 1 or max_spec_factor < 0 or not 0 <= min_token_prob <= 1:
             raise ValueError("need num_speculative_tokens >= 1, max_spec_factor >= 0 and 0 <= min_token_prob "
                              f"<= 1, got {num_speculative_tokens}, {max_spec_factor}, {min_token_prob}")
@@ -159,6 +160,7 @@ class SuffixDrafter:
         self.max_tree_nodes = num_speculative_tokens
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
+        self.device = torch.device(device)
         self._rows: dict[int, _Row] = {}
 
     def start(self, row: int, prompt_ids: list[int], features=None) -> None:
@@ -167,7 +169,7 @@ class SuffixDrafter:
         self._rows[row] = _Row(self.cache.start(prompt_ids), len(prompt_ids), len(prompt_ids))
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
-        return [self.draft(r).tree() for r in requests]
+        return [self.draft(r).tree(self.device) for r in requests]
 
     def draft(self, r: DraftRequest) -> SuffixDraft:
         """The proposal for ``r`` with its probabilities (``propose`` returns its ``tree()``)."""
@@ -204,8 +206,9 @@ class SuffixDrafter:
         return st
 
 
-def build_suffix_factory(config: SuffixConfig):
-    """One ``SuffixCache`` for ``config`` (the global tree of every engine made by the factory)."""
+def build_suffix_factory(config: SuffixConfig, device: str | torch.device = "cpu"):
+    """One ``SuffixCache`` for ``config`` (the global tree of every engine made by the factory);
+    drafters hand their trees over on ``device``."""
     cache = SuffixCache(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests)
     return lambda max_batch, max_len: SuffixDrafter(cache, config.max_nodes, config.suffix_decoding_max_spec_factor,
-                                                    config.suffix_decoding_min_token_prob)
+                                                    config.suffix_decoding_min_token_prob, device)

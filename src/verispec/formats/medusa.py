@@ -133,11 +133,13 @@ def _standin_target(cfg_json: dict, state: dict[str, torch.Tensor]) -> SimpleNam
 
 
 def load_medusa_heads(path: str | Path, target_model) -> MedusaHeads:
-    """The Medusa heads in ``path`` (either layout) for ``target_model``, eval, no gradients."""
+    """The Medusa heads in ``path`` (either layout) for ``target_model``, eval, no gradients, on
+    the target's device."""
     ck = read(path, target_model.cfg)
     heads = MedusaHeads(ck.cfg, target_model.lm_head.weight.detach() if ck.cfg.tied_lm_head else None)
     copy_into(heads, ck.tensors)
-    return heads.to(next(target_model.parameters()).dtype).eval().requires_grad_(False)
+    first = next(target_model.parameters())          # on the target's device, in its dtype
+    return heads.to(first.device, first.dtype).eval().requires_grad_(False)
 
 
 def save_medusa_heads(heads: MedusaHeads, path: str | Path,

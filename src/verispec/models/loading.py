@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..device import device_type, resolve_device
 from .config import ModelConfig
 from .packed import WeightFormat
 from .transformer import Transformer
@@ -38,12 +39,15 @@ class LoadedModel:
     weights: WeightFormat = WeightFormat.DENSE
 
 
-def build_transformer(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
-    """Instantiate without initialising random weights, then load ``state`` strictly."""
+def build_transformer(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                      device: str | torch.device = "cpu") -> Transformer:
+    """Instantiate without initialising random weights, directly in ``dtype`` on ``device`` (no
+    fp32 copy on the device first), then load ``state`` strictly (copied from wherever it lives).
+    The numbers are those of loading in fp32 and casting to ``dtype`` (RoPE buffers included)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to_empty(device="cpu")
-    model.reset_rope_()
+        model = Transformer(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    model.reset_rope_(device)
     expected = set(model.state_dict().keys())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -59,6 +63,21 @@ def build_transformer(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: t
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.to(dtype).eval().requires_grad_(False).fuse_()
+
+
+def check_weights(weights: str | WeightFormat, dtype: str | torch.dtype,
+                  device: str | torch.device | None = "cpu") -> WeightFormat:
+    """The weight format, refused for a dtype or device it cannot serve: fp16 packing (FBGEMM)
+    takes fp32 models on the CPU. Checks the device's kind only (no GPU needed to be told)."""
+    weights = WeightFormat.parse(weights)
+    if weights is WeightFormat.FP16:
+        kind = device_type(device)
+        if kind != "cpu":
+            raise ValueError(f"weights='fp16' (FBGEMM fp16 packing) runs on the CPU only, not on {kind!r}; "
+                             "on CUDA use dtype bfloat16 or float16 with weights='dense' (the fast path there)")
+        if parse_dtype(dtype) != torch.float32:
+            raise ValueError("weights='fp16' packs fp32 models (activations stay fp32); use dtype float32")
+    return weights
 
 
 def read_config(path: Path, fmt: str) -> ModelConfig:
@@ -98,18 +117,19 @@ def load_tokenizer(path: Path, fmt: str):
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "float32",
-               with_tokenizer: bool = True, weights: str | WeightFormat = "dense") -> LoadedModel:
+               with_tokenizer: bool = True, weights: str | WeightFormat = "dense",
+               device: str | torch.device | None = "cpu") -> LoadedModel:
     """Resolve ``model`` (known name, GGUF file or HF folder) and load weights and tokenizer.
-    ``weights="fp16"``: fp16-packed matmul weights for CPU inference (``packed``; fp32 only)."""
-    weights = WeightFormat.parse(weights)
-    if weights is WeightFormat.FP16 and parse_dtype(dtype) != torch.float32:
-        raise ValueError("weights='fp16' packs fp32 models (activations stay fp32); use dtype float32")
+    ``weights="fp16"``: fp16-packed matmul weights for CPU inference (``packed``; fp32 only).
+    ``device``: where the weights live (``device.resolve_device``: cpu, auto, cuda, cuda:N...)."""
+    weights = check_weights(weights, dtype, device)
+    dev = resolve_device(device)
     from .gguf_loader import load_gguf
     from .hf_loader import load_hf_folder
     from .sources import resolve_model
     src = resolve_model(model)
     cfg, state = load_gguf(src.path) if src.format == "gguf" else load_hf_folder(src.path)
-    net = build_transformer(cfg, state, parse_dtype(dtype))
+    net = build_transformer(cfg, state, parse_dtype(dtype), dev)
     if weights is WeightFormat.FP16:
         net.pack_fp16_()
     tok = load_tokenizer(src.path, src.format) if with_tokenizer else None

@@ -18,7 +18,9 @@ Contract:
   length T, never on the batch or the drafter: T >= ``DENSE_MIN_ROWS`` (prefill chunks) runs the
   fp32 BLAS over the same rounded weights; shorter inputs (decode, verification) run FBGEMM, on two
   threads for matrices of ``SPLIT_MIN_BYTES`` or more (bit-identical to one thread).
-- Inference only (no autograd through packed weights); fp32 activations only. Packing keeps the
+- CPU only (``load_model`` refuses ``weights="fp16"`` with any other device before loading: on
+  CUDA, dtype bfloat16 / float16 is the fast path). Inference only (no autograd through packed
+  weights); fp32 activations only. Packing keeps the
   fp32 tensors (for readers such as EAGLE/Medusa heads, and the prefill path), so memory grows by
   half.
 """
@@ -101,12 +103,13 @@ class PackedFP16Linear(nn.Module):
         super().__init__()
         if linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
             raise ValueError("fp16 packing needs fp32 weights on the CPU "
-                             f"(got {linear.weight.dtype} on {linear.weight.device})")
+                             f"(got {linear.weight.dtype} on {linear.weight.device}); on CUDA use dtype "
+                             "bfloat16 or float16 with dense weights instead")
         with torch.no_grad():
             linear.weight.copy_(linear.weight.half().float())
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        bias = (linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features))
+        bias = (linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features, device="cpu"))
         w = linear.weight.detach()
         half = (self.out_features // 2) // _SPLIT_ALIGN * _SPLIT_ALIGN
         if w.numel() * 2 >= SPLIT_MIN_BYTES and half > 0:

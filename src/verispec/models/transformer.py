@@ -240,10 +240,12 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True), persistent=False)
         self.sliding = frozenset(cfg.sliding_layers)
 
-    def reset_rope_(self) -> None:
-        """Recompute the RoPE buffers (after ``to_empty``: they are not in the state dict)."""
-        self.inv_freq = rope_inv_freq(self.cfg)
-        self.inv_freq_local = rope_inv_freq(self.cfg, local=True)
+    def reset_rope_(self, device: str | torch.device | None = None) -> None:
+        """Recompute the RoPE buffers (after ``to_empty``: they are not in the state dict) on
+        ``device`` (default: where the embedding lives)."""
+        device = self.embed.weight.device if device is None else device
+        self.inv_freq = rope_inv_freq(self.cfg).to(device)
+        self.inv_freq_local = rope_inv_freq(self.cfg, local=True).to(device)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False):
         freqs = positions[..., None].float() * (self.inv_freq_local if local else self.inv_freq)   # [B,T,D/2]

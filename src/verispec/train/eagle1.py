@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..device import module_device
 from ..formats import save_eagle_head
 from ..drafters.eagle_head import Eagle1Head, EagleHeadConfig, HeadKind, init_head_weights
 from .loop import Batch, StepOut
@@ -95,9 +96,10 @@ class Eagle1Module(nn.Module):
         if not self.training or self.noise <= 0:
             return hidden
         rank = dist.get_rank() if dist.is_initialized() else 0
-        g = torch.Generator().manual_seed((self.noise_seed * 1_000_003 + int(self.noise_calls)) * 4099 + rank)
+        seed = (self.noise_seed * 1_000_003 + int(self.noise_calls)) * 4099 + rank
+        g = torch.Generator(device="cpu").manual_seed(seed)
         self.noise_calls += 1
-        u = torch.rand(hidden.shape, generator=g, dtype=torch.float32)
+        u = torch.rand(hidden.shape, generator=g, dtype=torch.float32, device="cpu")   # the same noise on any device
         return hidden + ((u - 0.5) * self.noise).to(hidden.device, hidden.dtype)
 
     def forward(self, inp: Eagle1Inputs) -> StepOut:
@@ -124,19 +126,20 @@ class Eagle1Task:
             raise ValueError(f"head (vocab {head.cfg.vocab_size}, hidden {head.cfg.hidden_size}) does not fit "
                              f"the target (vocab {target.cfg.vocab_size}, hidden {target.cfg.hidden_size})")
         self.target = target.eval().requires_grad_(False)
-        self.module = Eagle1Module(head, v_weight, p_weight, noise, noise_seed)
+        self.module = Eagle1Module(head, v_weight, p_weight, noise, noise_seed).to(module_device(target))
         self.save_dtype = torch.bfloat16
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Eagle1Inputs:
+        batch = batch.to(module_device(self.target))
         ids = batch.input_ids
         b, t = ids.shape
         if t < 3:
             raise ValueError("sequences need >= 3 tokens")
-        pos = torch.arange(t).expand(b, t)
+        pos = torch.arange(t, device=ids.device).expand(b, t)
         feat = self.target(ids, pos, compute_logits=False).last_hidden.float()     # [B, T, h]
         valid = batch.loss_mask[:, 2:] > 0                                            # x_{t+2}, t = 0..T-3
-        valid = torch.cat([valid, torch.zeros(b, 1, dtype=torch.bool)], dim=1)       # [B, T-1]
+        valid = torch.cat([valid, torch.zeros(b, 1, dtype=torch.bool, device=ids.device)], dim=1)   # [B, T-1]
         nxt = feat[:, 1:][valid]                                                      # f_{t+1} [N, h]
         logits = F.linear(nxt, self.target.lm_head.weight.float())
         return Eagle1Inputs(tokens=ids[:, 1:], positions=pos[:, :-1], hidden=feat[:, :-1], valid=valid,

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..device import module_device
 from ..formats import save_eagle_head
 from ..drafters.eagle_head import Eagle3Head, EagleHeadConfig, HeadKind, init_head_weights
 from ..drafters.base import TargetFeatures
@@ -129,7 +130,7 @@ class Eagle3TTT(nn.Module):
         return out
 
     def forward(self, inp: Eagle3Inputs) -> StepOut:
-        loss = torch.zeros((), dtype=torch.float32)
+        loss = torch.zeros((), dtype=torch.float32, device=inp.tokens.device)
         stats = {}
         for i, logits in enumerate(self.unroll(inp)):
             p = _shift(inp.target_p, i, 0.0)
@@ -158,18 +159,19 @@ class Eagle3Task:
                              f"does not fit the target (vocab {target.cfg.vocab_size}, hidden {target.cfg.hidden_size})")
         self.target = target.eval().requires_grad_(False)
         self.features = features
-        self.module = Eagle3TTT(head, ttt_length, decay)
+        self.module = Eagle3TTT(head, ttt_length, decay).to(module_device(target))   # trained where the target runs
         vocab = DraftVocab(d2t=head.d2t, t2d=head.t2d)
         self.draft_ids = vocab.draft_ids
         self.target_to_draft = vocab.target_to_draft()
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Eagle3Inputs:
+        batch = batch.to(module_device(self.target))
         ids = batch.input_ids
         b, t = ids.shape
         if t < 3:
             raise ValueError("sequences need >= 3 tokens")
-        pos = torch.arange(t).expand(b, t)
+        pos = torch.arange(t, device=ids.device).expand(b, t)
         aux, last = self._features(batch)
         last = last[:, 1:]                                              # positions 1..T-1
         w = self.target.lm_head.weight
@@ -185,9 +187,9 @@ class Eagle3Task:
         """Concatenated aux features [B, T, n*h] and the last hidden state [B, T, h]."""
         ids = batch.input_ids
         if self.features is not None:
-            return self.features.batch(batch.ids, batch.lengths.tolist(), ids.shape[1])
+            return self.features.batch(batch.ids, batch.lengths.tolist(), ids.shape[1], device=ids.device)
         layers = tuple(dict.fromkeys(self.module.head.aux_layers))
-        out = self.target(ids, torch.arange(ids.shape[1]).expand(ids.shape), hidden_layers=layers,
+        out = self.target(ids, torch.arange(ids.shape[1], device=ids.device).expand(ids.shape), hidden_layers=layers,
                           compute_logits=False)
         return torch.cat([out.hidden[k] for k in self.module.head.aux_layers], dim=-1), out.last_hidden
 

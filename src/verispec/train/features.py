@@ -7,7 +7,8 @@ final-normed last hidden state ([T, h]), from which the trainer recomputes the t
 with its ``lm_head``. Layout: ``index.json`` (``{"layers", "dtype", "model", "hidden_size",
 "shards": {id: file}}``) and ``shard-00000.safetensors``, ... with tensors ``<id>.hidden`` and
 ``<id>.last``. Sequences are looked up by example id; a missing id or a length mismatch is an
-error (the cache was made from other data).
+error (the cache was made from other data). The cache lives on the host whatever device made it;
+``FeatureStore.batch`` reads it there and hands batches over on the trainer's device.
 """
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..device import module_device
 from .data import TokenizedExample
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def estimate_bytes(examples: list[TokenizedExample], hidden: int, n_layers: int, dtype: str) -> int:
-    per = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    per = torch.empty(0, dtype=DTYPES[dtype], device="cpu").element_size()
     return sum(len(e.input_ids) for e in examples) * hidden * (n_layers + 1) * per
 
 
@@ -44,11 +46,13 @@ def write_features(target, examples: list[TokenizedExample], out_dir: str | Path
     shards: dict[str, str] = {}
     buf: dict[str, torch.Tensor] = {}
     n_shard = 0
+    dev = module_device(target)
     for k, ex in enumerate(tqdm(examples, desc="features", unit="seq", disable=not progress)):
-        ids = torch.tensor([ex.input_ids])
-        o = target(ids, torch.arange(ids.shape[1])[None], hidden_layers=tuple(set(layers)), compute_logits=False)
-        buf[f"{ex.id}.hidden"] = torch.cat([o.hidden[i][0] for i in layers], -1).to(DTYPES[dtype]).contiguous()
-        buf[f"{ex.id}.last"] = o.last_hidden[0].to(DTYPES[dtype]).contiguous()
+        ids = torch.tensor([ex.input_ids], device=dev)
+        o = target(ids, torch.arange(ids.shape[1], device=dev)[None], hidden_layers=tuple(set(layers)),
+                   compute_logits=False)
+        buf[f"{ex.id}.hidden"] = torch.cat([o.hidden[i][0] for i in layers], -1).to(DTYPES[dtype]).cpu().contiguous()
+        buf[f"{ex.id}.last"] = o.last_hidden[0].to(DTYPES[dtype]).cpu().contiguous()
         shards[ex.id] = f"shard-{n_shard:05d}.safetensors"
         if len(buf) // 2 >= shard_sequences or k == len(examples) - 1:
             save_file(buf, str(out / shards[ex.id]))
@@ -76,17 +80,19 @@ class FeatureStore:
         shard = self.index["shards"].get(ex_id)
         if shard is None:
             raise KeyError(f"example {ex_id!r} is not in the feature cache {self.folder}")
-        f = self._open.get(shard) or self._open.setdefault(shard, safe_open(str(self.folder / shard), "pt"))
+        f = self._open.get(shard) or self._open.setdefault(shard, safe_open(str(self.folder / shard), "pt",
+                                                                               device="cpu"))
         hidden, last = f.get_tensor(f"{ex_id}.hidden").float(), f.get_tensor(f"{ex_id}.last").float()
         if hidden.shape[0] != length:
             raise ValueError(f"example {ex_id!r}: cache has {hidden.shape[0]} positions, data {length}")
         return hidden, last
 
-    def batch(self, ids: list[str], lengths: list[int], t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded [B, t, n*h] and [B, t, h]."""
+    def batch(self, ids: list[str], lengths: list[int], t: int,
+              device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded [B, t, n*h] and [B, t, h] on ``device`` (read on the host, copied once)."""
         pairs = [self.get(i, n) for i, n in zip(ids, lengths)]
-        hidden = torch.zeros(len(pairs), t, pairs[0][0].shape[-1])
-        last = torch.zeros(len(pairs), t, pairs[0][1].shape[-1])
+        hidden = torch.zeros(len(pairs), t, pairs[0][0].shape[-1], device="cpu")
+        last = torch.zeros(len(pairs), t, pairs[0][1].shape[-1], device="cpu")
         for i, (h, l) in enumerate(pairs):
             hidden[i, :h.shape[0]], last[i, :l.shape[0]] = h, l
-        return hidden, last
+        return hidden.to(device), last.to(device)

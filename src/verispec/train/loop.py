@@ -8,12 +8,18 @@ A trainer is a ``Task``:
   loss can be normalised by the global count);
 - ``save(folder)``: write the trained weights in their checkpoint format.
 
+Device (``TrainConfig.device``, ``training_device``): the module, every batch and the loss live on
+one device per process: "cpu", or under torchrun with "cuda" each rank's ``cuda:LOCAL_RANK``
+(``torch.cuda.set_device`` is called). ``dtype="bf16"`` autocasts the forward to bfloat16 on that
+device's type (CPU or CUDA autocast). The frozen target of a task is loaded on the same device.
+
 Distributed: under ``torchrun --nproc_per_node N`` the module is wrapped in
-``DistributedDataParallel`` (gloo on CPU, nccl on GPU). Every step takes ``batch_size`` sequences
-from one seeded permutation per epoch (the same on every rank); rank r takes every N-th of them,
-in micro-batches of ``micro_batch_size``. Each rank back-propagates ``loss_sum * N / global_count``
-and DDP averages, so the gradient is that of (global loss sum / global count): N processes and 1
-process with the same global batch follow the same curve up to float summation order.
+``DistributedDataParallel`` (gloo on CPU, nccl on CUDA: the backend follows the device). Every
+step takes ``batch_size`` sequences from one seeded permutation per epoch (the same on every
+rank); rank r takes every N-th of them, in micro-batches of ``micro_batch_size``. Each rank
+back-propagates ``loss_sum * N / global_count`` and DDP averages, so the gradient is that of
+(global loss sum / global count): N processes and 1 process with the same global batch follow the
+same curve up to float summation order.
 
 The data order is a pure function of (seed, step), so ``resume`` (rank 0 writes
 ``train_state.pt``: module, optimizer, scheduler, step) continues the very same curve. Logs go to
@@ -35,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..device import resolve_device
 from .data import TokenizedExample
 
 
@@ -51,7 +58,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = 0.5
-    dtype: str = "fp32"                   # "bf16": autocast the forward to bfloat16
+    dtype: str = "fp32"                   # "bf16": autocast the forward to bfloat16 (on the device's type)
+    device: str = "cpu"                   # "cpu", "auto", "cuda" (under torchrun: cuda:LOCAL_RANK), "cuda:N"
     seed: int = 0
     log_every: int = 10
     eval_every: int | None = None         # steps; None: at the end only
@@ -76,6 +84,10 @@ class Batch:
     lengths: torch.Tensor         # [B]
     ids: list[str]
 
+    def to(self, device: torch.device) -> "Batch":
+        """The batch with its tensors on ``device``."""
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device), self.ids)
+
 
 @dataclass
 class StepOut:
@@ -91,22 +103,34 @@ class Task(Protocol):
     def save(self, folder: Path) -> None: ...
 
 
-def collate(examples: Sequence[TokenizedExample]) -> Batch:
+def collate(examples: Sequence[TokenizedExample], device: str | torch.device = "cpu") -> Batch:
+    """Right-padded batch of ``examples`` on ``device``."""
     t = max(len(e.input_ids) for e in examples)
-    ids = torch.zeros(len(examples), t, dtype=torch.long)
-    mask = torch.zeros(len(examples), t)
-    for i, e in enumerate(examples):
-        ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
-        mask[i, : len(e.loss_mask)] = torch.tensor(e.loss_mask, dtype=torch.float)
-    return Batch(ids, mask, torch.tensor([len(e.input_ids) for e in examples]), [e.id for e in examples])
+    ids = torch.tensor([list(e.input_ids) + [0] * (t - len(e.input_ids)) for e in examples],
+                       dtype=torch.long, device=device)
+    mask = torch.tensor([[float(m) for m in e.loss_mask] + [0.0] * (t - len(e.loss_mask)) for e in examples],
+                        dtype=torch.float, device=device)
+    return Batch(ids, mask, torch.tensor([len(e.input_ids) for e in examples], device=device), [e.id for e in examples])
 
 
 # -- distributed ---------------------------------------------------------------------------------
-def init_distributed() -> tuple[int, int]:
-    """(rank, world); starts the process group when launched by torchrun."""
+def training_device(spec: str | torch.device | None = "cpu") -> torch.device:
+    """This process's device for ``spec`` (``device.resolve_device``): a CUDA device without an
+    index becomes ``cuda:LOCAL_RANK`` under torchrun (``cuda:0`` alone), and is made the current one."""
+    dev = resolve_device(spec)
+    if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def init_distributed(device: torch.device | None = None) -> tuple[int, int]:
+    """(rank, world); starts the process group when launched by torchrun: nccl for a CUDA
+    ``device``, gloo otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device is not None and device.type == "cuda" else "gloo")
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
@@ -157,13 +181,15 @@ class Trainer:
         if len(train) < cfg.batch_size:
             raise ValueError(f"{len(train)} training sequences for a global batch of {cfg.batch_size}")
         self.task, self.train_set, self.heldout, self.cfg = task, list(train), list(heldout), cfg
-        self.rank, self.world = init_distributed()
+        self.device = training_device(cfg.device)
+        self.rank, self.world = init_distributed(self.device)
         if cfg.batch_size % self.world:
             raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {self.world} processes")
         torch.manual_seed(cfg.seed)
-        self.model = task.module
+        self.model = task.module.to(self.device)
         if self.world > 1:
-            self.model = nn.parallel.DistributedDataParallel(task.module)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = nn.parallel.DistributedDataParallel(task.module, device_ids=ids)
         params = [p for p in task.module.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         rest = [p for p in params if p.dim() < 2]
@@ -203,21 +229,21 @@ class Trainer:
 
     # -- steps --
     def _autocast(self):
-        return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16,
-                              enabled=self.cfg.dtype == "bf16")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bf16")
 
     def _local_micro_batches(self, step: int) -> list[Batch]:
         idx = step_examples(len(self.train_set), self.cfg.batch_size, step, self.cfg.seed)[self.rank::self.world]
         mb = self.cfg.micro_batch_size
-        return [collate([self.train_set[i] for i in idx[j:j + mb]]) for j in range(0, len(idx), mb)]
+        return [collate([self.train_set[i] for i in idx[j:j + mb]], self.device) for j in range(0, len(idx), mb)]
 
     def train_step(self) -> dict:
+        dev = self.device
         prepared = [self.task.prepare(b) for b in self._local_micro_batches(self.step)]
-        count = _all_sum(torch.tensor(float(sum(p.count for p in prepared))))
+        count = _all_sum(torch.tensor(float(sum(p.count for p in prepared)), device=dev))
         scale = self.world / max(float(count), 1.0)
         self.model.train()
         stats: dict[str, torch.Tensor] = {}
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=dev)
         for j, inputs in enumerate(prepared):
             sync = j == len(prepared) - 1 or self.world == 1
             ctx = self.model.no_sync() if not sync and self.world > 1 else nullcontext()
@@ -226,10 +252,10 @@ class Trainer:
                 (out.loss_sum * scale).backward()
             loss_sum += out.loss_sum.detach().float()
             for k, v in out.stats.items():
-                stats[k] = stats.get(k, torch.zeros(2)) + v.detach().float()
+                stats[k] = stats.get(k, torch.zeros(2, device=dev)) + v.detach().float()
         params = [p for p in self.task.module.parameters() if p.requires_grad]
         gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm) if self.cfg.max_grad_norm > 0 \
-            else torch.tensor(0.0)
+            else torch.tensor(0.0, device=dev)
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -248,17 +274,18 @@ class Trainer:
             return {}
         self.model.eval()
         stats: dict[str, torch.Tensor] = {}
-        loss_sum, count = torch.zeros(()), torch.zeros(())
+        dev = self.device
+        loss_sum, count = torch.zeros((), device=dev), torch.zeros((), device=dev)
         mb = self.cfg.micro_batch_size
         mine = data[self.rank::self.world]
         for j in range(0, len(mine), mb):
-            inputs = self.task.prepare(collate(mine[j:j + mb]))
+            inputs = self.task.prepare(collate(mine[j:j + mb], dev))
             with self._autocast():
                 out = self.task.module(inputs)
             loss_sum += out.loss_sum.float()
             count += float(inputs.count)
             for k, v in out.stats.items():
-                stats[k] = stats.get(k, torch.zeros(2)) + v.float()
+                stats[k] = stats.get(k, torch.zeros(2, device=dev)) + v.float()
         rec = {"loss": float(_all_sum(loss_sum)) / max(float(_all_sum(count)), 1.0)}
         rec.update(_ratios({k: _all_sum(v) for k, v in sorted(stats.items())}))
         return rec

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..device import module_device
 from ..formats import save_medusa_heads, write_config, write_tensors
 from ..drafters.medusa_head import MedusaConfig, MedusaHeads
 from ..models.hf_loader import _HF_GLOBAL, _HF_LAYER
@@ -100,8 +101,8 @@ def head_targets(batch: Batch, num_heads: int) -> tuple[torch.Tensor, torch.Tens
     """labels, valid [K, B, T]: head k at position t learns x_{t+2+k} where it is an assistant token."""
     ids, mask = batch.input_ids, batch.loss_mask > 0
     b, t = ids.shape
-    labels = torch.zeros(num_heads, b, t, dtype=torch.long)
-    valid = torch.zeros(num_heads, b, t, dtype=torch.bool)
+    labels = torch.zeros(num_heads, b, t, dtype=torch.long, device=ids.device)
+    valid = torch.zeros(num_heads, b, t, dtype=torch.bool, device=ids.device)
     for k in range(num_heads):
         s = 2 + k
         if s < t:
@@ -154,15 +155,16 @@ class Medusa1Task:
         if labels not in ("data", "target"):
             raise ValueError(f"labels must be 'data' or 'target', got {labels!r}")
         self.target = target.eval().requires_grad_(False)
-        self.module = Medusa1Module(heads, decay)
+        self.module = Medusa1Module(heads, decay).to(module_device(target))    # trained where the target runs
         self.labels = labels
         self.save_dtype = torch.bfloat16
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Medusa1Inputs:
+        batch = batch.to(module_device(self.target))
         ids = batch.input_ids
         b, t = ids.shape
-        pos = torch.arange(t).expand(b, t)
+        pos = torch.arange(t, device=ids.device).expand(b, t)
         f = self.target(ids, pos, compute_logits=False).last_hidden.float()
         labels, valid = head_targets(batch, self.module.heads.cfg.num_heads)
         if self.labels == "target":
@@ -180,11 +182,17 @@ class Medusa1Task:
 
 # -- Medusa-2 --------------------------------------------------------------------------------------
 def trainable_copy(target: Transformer) -> Transformer:
-    """An unfused fp32 copy of ``target`` with gradients on (``load_model`` fuses q/k/v and
-    gate/up for inference; the copy keeps the separate projections the checkpoint names)."""
-    student = Transformer(target.cfg)
+    """An unfused fp32 copy of ``target`` on its device, with gradients on (``load_model`` fuses
+    q/k/v and gate/up for inference; the copy keeps the separate projections the checkpoint names)."""
+    dev = module_device(target)
+    with torch.device("meta"):
+        student = Transformer(target.cfg).float()
+    student = student.to_empty(device=dev)
+    student.reset_rope_(dev)
     state = {k: v for k, v in target.state_dict().items() if ".fused." not in k}
     student.load_state_dict(state, strict=True)
+    if target.cfg.tie_word_embeddings:
+        student.lm_head.weight = student.embed.weight
     return student.float().requires_grad_(True)
 
 
@@ -231,6 +239,7 @@ class Medusa2Task:
         _check_fit(heads.cfg, target.cfg)
         self.target = target.eval().requires_grad_(False)
         backbone = trainable_copy(target)
+        heads = heads.to(module_device(target))
         if heads.cfg.tied_lm_head:      # the buffer follows the trained lm_head (same storage)
             heads.target_lm_head = backbone.lm_head.weight.detach()
         self.module = Medusa2Module(backbone, heads, decay, heads_coefficient, kl_weight)
@@ -239,11 +248,12 @@ class Medusa2Task:
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Medusa2Inputs:
+        batch = batch.to(module_device(self.target))
         ids = batch.input_ids
         b, t = ids.shape
-        pos = torch.arange(t).expand(b, t)
+        pos = torch.arange(t, device=ids.device).expand(b, t)
         f = self.target(ids, pos, compute_logits=False).last_hidden
-        lm_valid = torch.zeros(b, t, dtype=torch.bool)
+        lm_valid = torch.zeros(b, t, dtype=torch.bool, device=ids.device)
         lm_valid[:, :-1] = batch.loss_mask[:, 1:] > 0
         teacher = F.log_softmax(F.linear(f[lm_valid].float(), self.target.lm_head.weight.float()), dim=-1)
         labels, valid = head_targets(batch, self.module.heads.cfg.num_heads)
