@@ -106,9 +106,9 @@ class LossyTypicalAcceptance(_OneTree):
         typical = finish_path(batch, walked, sample_inverse_cdf(final_dist, u[:, -1]), last)
         if len(sampled_rows) == batch.batch:
             return typical
-        pick = torch.zeros(batch.batch, dtype=torch.bool)
+        pick = torch.zeros(batch.batch, dtype=torch.bool, device=probs.device)
         pick[sampled_rows] = True
-        return select_rows(pick.to(probs.device), typical, greedy)
+        return select_rows(pick, typical, greedy)
 
     def _typical_path(self, batch: TreeBatch, probs: torch.Tensor) -> torch.Tensor:
         """``on_path [B, N]``: the longest all-passing root path (ties: larger log-prob sum, then

@@ -29,20 +29,21 @@ class DraftTree:
         if self.tokens.dim() != 1 or self.parents.shape != (n,):
             raise ValueError(f"tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} "
                              "must both be 1-D of the same length")
-        if n and not bool((self.parents < torch.arange(n)).all() and (self.parents >= -1).all()):
+        if n and not bool((self.parents < torch.arange(n, device=self.parents.device)).all()
+                          and (self.parents >= -1).all()):
             raise ValueError("parents must satisfy -1 <= parent[i] < i (topological order)")
         if self.q is not None and (self.q.dim() != 2 or self.q.shape[0] != n):
             raise ValueError(f"q must be [N, V] with N={n}, got {tuple(self.q.shape)}")
 
     # -- constructors ------------------------------------------------------------------------
     @staticmethod
-    def empty() -> "DraftTree":
-        return DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    def empty(device: torch.device | str = "cpu") -> "DraftTree":
+        return DraftTree(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device))
 
     @staticmethod
     def chain(tokens: Sequence[int] | torch.Tensor, q: torch.Tensor | None = None) -> "DraftTree":
         toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        return DraftTree(toks, torch.arange(toks.numel(), dtype=torch.long) - 1, q)
+        return DraftTree(toks, torch.arange(toks.numel(), dtype=torch.long, device=toks.device) - 1, q)
 
     def prefix(self, max_nodes: int | None) -> "DraftTree":
         """The first ``max_nodes`` nodes (None: all). Nodes are in topological order, so a prefix
@@ -63,7 +64,7 @@ class DraftTree:
         d: list[int] = []
         for p in self.parents.tolist():
             d.append(1 if p < 0 else d[p] + 1)
-        return torch.tensor(d, dtype=torch.long)
+        return torch.tensor(d, dtype=torch.long, device=self.parents.device)
 
     def children(self) -> list[list[int]]:
         """children()[p + 1] = node indices whose parent is p (index 0 = the root's children)."""
@@ -83,13 +84,13 @@ class DraftTree:
     def ancestor_mask(self) -> torch.Tensor:
         """[N+1, N+1] bool over (root, nodes...): entry [i, j] True if j is i or an ancestor of i."""
         paths = self.root_paths()
-        m = torch.zeros(len(paths), len(paths), dtype=torch.bool)
+        m = torch.zeros(len(paths), len(paths), dtype=torch.bool, device=self.tokens.device)
         m[[i for i, path in enumerate(paths) for _ in path], [j for path in paths for j in path]] = True
         return m
 
     def positions(self, start: int) -> torch.Tensor:
         """[N+1] RoPE positions of (root, nodes...) when the root sits at position ``start``."""
-        return start + torch.cat([torch.zeros(1, dtype=torch.long), self.depth])
+        return start + torch.cat([torch.zeros(1, dtype=torch.long, device=self.parents.device), self.depth])
 
     def paths(self) -> list[list[int]]:
         """Root-to-leaf node paths (root excluded)."""
@@ -180,7 +181,8 @@ class ChoicesFiller:
     def tree(self, q: bool = False) -> DraftTree:
         """The nodes so far; ``q``: the payloads are the nodes' q rows ([V] tensors), stacked to
         ``q`` [N, V] (None for an empty tree)."""
-        return DraftTree(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents, dtype=torch.long),
+        return DraftTree(torch.tensor(self.tokens, dtype=torch.long, device="cpu"),        # host-built;
+                         torch.tensor(self.parents, dtype=torch.long, device="cpu"),       # callers move it
                          torch.stack(self.payload) if q and self.payload else None)
 
 
@@ -209,7 +211,7 @@ def pack_trees(trees: Sequence[DraftTree], starts: Sequence[int] | torch.Tensor,
     - mask [B, T, T] bool: [b, i, j] True iff entry j of row b is entry i or its ancestor (the
       root is every node's ancestor); a padding entry sees only itself."""
     k = 0 if roots is not None else 1          # entries of (root, nodes...) a row leaves out
-    starts = torch.as_tensor(starts, dtype=torch.long).tolist()
+    starts = starts.tolist() if isinstance(starts, torch.Tensor) else [int(x) for x in starts]
     t = max([1] + [len(tree) + 1 - k for tree in trees])
     tokens = [[0] * t for _ in trees]
     positions = [[s] * t for s in starts]
@@ -221,7 +223,8 @@ def pack_trees(trees: Sequence[DraftTree], starts: Sequence[int] | torch.Tensor,
             positions[b][i] = starts[b] + len(path) - 1 - k
             seen += [(b * t + i) * t + j - k for j in path[k:]]
         seen += [(b * t + i) * t + i for i in range(len(toks), t)]
-    mask = torch.zeros(len(trees) * t * t, dtype=torch.bool)
-    mask[torch.tensor(seen, dtype=torch.long)] = True
-    return (torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+    host = "cpu"                               # built on the host: callers move what they need
+    mask = torch.zeros(len(trees) * t * t, dtype=torch.bool, device=host)
+    mask[torch.tensor(seen, dtype=torch.long, device=host)] = True
+    return (torch.tensor(tokens, dtype=torch.long, device=host), torch.tensor(positions, dtype=torch.long, device=host),
             mask.view(len(trees), t, t))

@@ -76,13 +76,13 @@ class TreeBatch:
             raise ValueError(f"{len(trees)} trees but {len(roots)} roots")
         device = torch.device(device) if device is not None else trees[0].tokens.device
         tokens, positions, mask = pack_trees(trees, starts, roots=roots)
-        b, n = len(trees), tokens.shape[1] - 1
+        b, n = len(trees), tokens.shape[1] - 1           # staged on the host, then moved
         parents = [t.parents.tolist() for t in trees]
         node_tokens = tokens[:, 1:].clone()
-        parent_entry = torch.zeros(b, n, dtype=torch.long)
-        valid = torch.zeros(b, n, dtype=torch.bool)
-        earlier = torch.zeros(b, n, n, dtype=torch.bool)
-        has_children = torch.zeros(b, n + 1, dtype=torch.bool)
+        parent_entry = torch.zeros(b, n, dtype=torch.long, device="cpu")
+        valid = torch.zeros(b, n, dtype=torch.bool, device="cpu")
+        earlier = torch.zeros(b, n, n, dtype=torch.bool, device="cpu")
+        has_children = torch.zeros(b, n + 1, dtype=torch.bool, device="cpu")
         groups: list[list[list[int]]] = []            # rank -> [rows, parent entries, children]
         depths = []
         for row, par in enumerate(parents):
@@ -93,7 +93,7 @@ class TreeBatch:
                 depth[i] = 1 if p < 0 else depth[p] + 1
             depths.append(max(depth, default=0))
             valid[row, :len(par)] = True
-            parent_entry[row, :len(par)] = torch.tensor(par, dtype=torch.long) + 1
+            parent_entry[row, :len(par)] = torch.tensor(par, dtype=torch.long, device="cpu") + 1
             for p, sibs in kids.items():
                 has_children[row, p + 1] = True
                 for k, c in enumerate(sibs):

@@ -72,15 +72,11 @@ class BatchAccept:
     def from_results(results: Sequence[AcceptResult], depth: int, device: torch.device | str) -> "BatchAccept":
         """Pack per-row results (a rule without ``accept_batch``) into the batched layout."""
         b = len(results)
-        nodes = torch.full((b, depth), -1, dtype=torch.long)
-        tokens = torch.full((b, depth + 1), -1, dtype=torch.long)
-        for i, r in enumerate(results):
-            nodes[i, :r.num_accepted] = torch.tensor(r.nodes, dtype=torch.long)
-            tokens[i, :len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
-        keep = torch.cat([torch.zeros(b, 1, dtype=torch.long), nodes + 1], 1)
-        num = torch.tensor([r.num_accepted for r in results], dtype=torch.long)
-        bonus = torch.tensor([r.bonus for r in results], dtype=torch.bool)
-        return BatchAccept(*(x.to(device) for x in (num, nodes, keep, tokens, bonus)))
+        nodes = [r.nodes + [-1] * (depth - r.num_accepted) for r in results]
+        tokens = [r.tokens + [-1] * (depth + 1 - len(r.tokens)) for r in results]
+        t = lambda x, dt=torch.long: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+        return BatchAccept(t([r.num_accepted for r in results]), t(nodes), t([[0] + [n + 1 for n in row] for row in nodes]),
+                           t(tokens), t([r.bonus for r in results], torch.bool))
 
     def to_host(self) -> list[AcceptResult]:
         """The one host copy of a step: every row's ``AcceptResult``."""
@@ -107,9 +103,9 @@ def accept_batch(batch: TreeBatch, logits: torch.Tensor, params: Sequence[Sampli
     sampled = accept_from_probs_batch(batch, probs, u)
     if len(sampled_rows) == batch.batch:
         return sampled
-    pick = torch.zeros(batch.batch, dtype=torch.bool)
+    pick = torch.zeros(batch.batch, dtype=torch.bool, device=logits.device)
     pick[sampled_rows] = True
-    return select_rows(pick.to(logits.device), sampled, greedy)
+    return select_rows(pick, sampled, greedy)
 
 
 def accept_greedy_batch(batch: TreeBatch, logits: torch.Tensor) -> BatchAccept:

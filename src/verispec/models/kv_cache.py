@@ -158,7 +158,7 @@ class KVCache:
         if len(moved) == len(host):
             self._move(index, start, keep, cnt)
         elif moved:
-            at = torch.tensor(moved)
+            at = torch.tensor(moved, device=self.device)
             self._move(index[at], start[at], keep[at], cnt[at])
         self._commit(host, [n + c for n, c in zip(self.lengths_of(host), counts)])
         self.lengths[index] = start + cnt
@@ -264,5 +264,5 @@ def _index(rows: Rows, device: torch.device) -> torch.Tensor:
 
 def _on(values: list[int], device: torch.device) -> torch.Tensor:
     """Host ints as a long tensor on ``device`` (an asynchronous copy: no device sync)."""
-    t = torch.tensor(values, dtype=torch.long)
+    t = torch.tensor(values, dtype=torch.long, device="cpu")       # staged on the host
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
