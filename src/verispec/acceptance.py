@@ -95,10 +95,9 @@ class LossyTypicalAcceptance(_OneTree):
 
     def accept_batch(self, batch: TreeBatch, logits: torch.Tensor, params: Sequence[SamplingParams],
                      generators: Sequence[torch.Generator | None]) -> BatchAccept:
-        greedy = accept_greedy_batch(batch, logits)
         sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
-            return greedy
+            return accept_greedy_batch(batch, logits)
         probs = batch_target_probs(logits, params)                               # [B, T, V]
         last, walked = path_from_mask(batch, self._typical_path(batch, probs))
         u = draw_uniforms(batch, [not p.greedy for p in params], generators)
@@ -106,6 +105,7 @@ class LossyTypicalAcceptance(_OneTree):
         typical = finish_path(batch, walked, sample_inverse_cdf(final_dist, u[:, -1]), last)
         if len(sampled_rows) == batch.batch:
             return typical
+        greedy = accept_greedy_batch(batch, logits)
         pick = torch.zeros(batch.batch, dtype=torch.bool, device=probs.device)
         pick[sampled_rows] = True
         return select_rows(pick, typical, greedy)

@@ -94,15 +94,15 @@ def accept_batch(batch: TreeBatch, logits: torch.Tensor, params: Sequence[Sampli
                  generators: Sequence[torch.Generator | None]) -> BatchAccept:
     """Lossless acceptance of every row: greedy rows follow the argmax, sampled rows do recursive
     rejection sampling. ``logits [B, T, V]``: the processed target rows (root, nodes..., padding)."""
-    greedy = accept_greedy_batch(batch, logits)
     sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
     if not sampled_rows:
-        return greedy
+        return accept_greedy_batch(batch, logits)
     probs = batch_target_probs(logits, params)
     u = draw_uniforms(batch, [not p.greedy for p in params], generators)
     sampled = accept_from_probs_batch(batch, probs, u)
     if len(sampled_rows) == batch.batch:
         return sampled
+    greedy = accept_greedy_batch(batch, logits)
     pick = torch.zeros(batch.batch, dtype=torch.bool, device=logits.device)
     pick[sampled_rows] = True
     return select_rows(pick, sampled, greedy)
