@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # no busy-waiting threads on shared cores
+if "VERISPEC_COST_CACHE" not in os.environ:           # measured draft costs: per test process, not ~/.cache
+    import tempfile
+    os.environ["VERISPEC_COST_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="verispec-costs-"), "costs.json")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

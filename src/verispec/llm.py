@@ -109,6 +109,8 @@ class LLM:
         self.spec = SpeculativeConfig.from_dict(speculative_config)
         self.acceptance = self.spec.acceptance() if self.spec else LOSSLESS
         self._make_drafter = build_drafter_factory(self.spec, self.target) if self.spec else None
+        # the tree a head's default config chose from measured costs (draft_shape.ShapeChoice)
+        self.draft_shape = getattr(self._make_drafter, "shape", None)
         ctx = self.target.config.max_position_embeddings
         self.max_model_len = min(max_model_len or ctx, ctx)
         self.max_num_seqs = max_num_seqs

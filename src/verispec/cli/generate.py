@@ -93,13 +93,17 @@ def cmd_generate(args) -> int:
                                                   "top": [list(t) for t in e.top]} for e in out.logprobs]
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "metrics": vars(out.metrics), "logprobs": lps,
-                          "vanilla_metrics": vars(vanilla.metrics) if vanilla else None}))
+                          "vanilla_metrics": vars(vanilla.metrics) if vanilla else None,
+                          "draft_shape": llm.draft_shape.as_dict() if llm.draft_shape else None}))
         return 0
     print(out.text if printer is None else "")
     m = out.metrics
     spec = f", mean acceptance length {m.mean_acceptance_length:.2f}" if m.num_drafts else ""
     print(f"[{m.num_output_tokens} tokens in {m.time_s:.2f}s: {m.tokens_per_second:.1f} tokens/s{spec}]",
           file=sys.stderr)
+    if llm.draft_shape is not None:
+        print(f"[draft shape chosen from this machine's measured costs: {llm.draft_shape.describe()}]",
+              file=sys.stderr)
     if vanilla is not None:
         v = vanilla.metrics
         print(f"[vanilla (no speculation, same weights): {v.tokens_per_second:.1f} tokens/s; speed-up "

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from ..draft_shape import AcceptanceProfile, ShapedFactory, ShapeRequest, choose_shape, time_ms
 from ..models.packed import follows_packed_target
+from ..params import SamplingParams
 from ..shipped import with_shipped_head
 from ..spec_config import SpecConfigError, TreeHeadConfig
 from ..tree import DraftTree, pack_trees
@@ -263,8 +265,17 @@ def _dynamic(config: TreeHeadConfig, rank_by, rerank) -> DynamicTreeConfig:
                              rank_by=mode, rerank=d.rerank if rerank is None else rerank)
 
 
+def sets_shape(config: TreeHeadConfig) -> bool:
+    """Whether the user chose the tree (any shape key set)."""
+    return any(getattr(config, k, None) is not None
+               for k in ("tree", "topk", "depth", "num_draft_tokens", "rank_by", "rerank", "num_speculative_tokens"))
+
+
 def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind):
-    """Load the head checkpoint named by ``config.model`` once; make a drafter per engine."""
+    """Load the head checkpoint named by ``config.model`` once; make a drafter per engine. Without
+    shape keys, a head folder with an ``acceptance.json`` profile gets the tree that maximises
+    modelled tokens/s from this machine's measured costs (``draft_shape``); otherwise the default
+    dynamic tree."""
     from ..formats import CheckpointError, load_eagle_head
     config = with_shipped_head(config, target)
     aux = getattr(config, "eagle_aux_hidden_state_layer_ids", None)     # Eagle3Config only
@@ -275,5 +286,42 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind):
         raise SpecConfigError(f"speculative_config 'model': {e}") from e
     if follows_packed_target(target, head):
         head.pack_fp16_(target.model.lm_head)       # draft with the target's fp16-packed kernels
-    tree = tree_config(config, DEFAULT_DYNAMIC_TREE)
-    return lambda max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len)
+    tree, shape = tree_config(config, DEFAULT_DYNAMIC_TREE), None
+    profile = None if sets_shape(config) else AcceptanceProfile.load(config.model)
+    if profile is not None:
+        req = ShapeRequest(profile, lambda: draft_costs(head), max_depth=8)
+        shape = choose_shape(target, config.model, kind.value, req, hidden_layers=head.hidden_layers)
+        tree = StaticTreeConfig(shape.choices)
+    return ShapedFactory(lambda max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len),
+                         shape)
+
+
+# -- measured costs ------------------------------------------------------------------------------
+def draft_costs(head: EagleHead, context: int = 256, reps: int = 7):
+    """Milliseconds of one step's drafting, batch 1, through the drafter's own protocol calls
+    (accept one token, propose): ``fixed`` = a one-node tree (the catch-up alone, which also
+    ranks depth 1) and ``[(w, level)]`` = the extra cost of one level over w expanded nodes."""
+    fixed = _time_steps(head, ((0,),), context, reps)
+    levels = []
+    for w in (1, 2, 4, 8):
+        choices = tuple((i,) for i in range(w)) + tuple((i, 0) for i in range(w))
+        levels.append((w, max(0.0, _time_steps(head, choices, context, reps) - fixed)))
+    return fixed, tuple(levels)
+
+
+def _time_steps(head: EagleHead, choices, context: int, reps: int) -> float:
+    tree = StaticTreeConfig.from_choices(choices)
+    drafter = EagleDrafter(head, tree, max_batch=1, max_len=context + reps + 8)
+    dev = drafter.device
+    def feats(n: int) -> TargetFeatures:
+        h = torch.zeros(n, head.cfg.target_hidden_size, dtype=head.embed_tokens.dtype, device=dev)
+        return TargetFeatures({i: h for i in head.hidden_layers}, h if head.needs_last_hidden else None)
+    ctx = [1] * (context + 1)
+    drafter.start(0, ctx[:-1], feats(context))
+    req = lambda: DraftRequest(0, ctx, SamplingParams(), torch.Generator(device="cpu"))  # noqa: E731
+    drafter.propose([req()])                          # the prompt's catch-up, not timed
+    def step():
+        drafter.accept(0, [ctx[-1]], feats(1))
+        ctx.append(1)
+        drafter.propose([req()])
+    return time_ms(step, reps=reps, warmup=2)

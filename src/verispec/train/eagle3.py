@@ -109,6 +109,21 @@ def _shift(x: torch.Tensor, i: int, fill) -> torch.Tensor:
     return torch.cat([x[:, i:], pad], dim=1)
 
 
+PROFILE_WIDTH = 8
+
+
+@torch.no_grad()
+def topk_hits(logits: torch.Tensor, target_ids: torch.Tensor, valid: torch.Tensor, step: int,
+              width: int = PROFILE_WIDTH) -> dict[str, torch.Tensor]:
+    """``hit{step}@{k}`` = [positions whose target id is among the head's top k, valid positions]
+    for k = 1..width (evaluation only: the acceptance profile of ``draft_shape``)."""
+    top = torch.topk(logits.float(), min(width, logits.shape[-1]), dim=-1).indices
+    rank_hit = (top == target_ids[..., None]) & valid[..., None]                 # [B, L, width]
+    cum = rank_hit.cumsum(-1).bool().flatten(0, -2).sum(0).float()
+    n = valid.sum().float()
+    return {f"hit{step}@{k + 1}": torch.stack([cum[k], n]) for k in range(cum.shape[0])}
+
+
 class Eagle3TTT(nn.Module):
     """The trainable module: ``forward(Eagle3Inputs) -> StepOut`` (loss sum, acc@i stats)."""
 
@@ -140,6 +155,8 @@ class Eagle3TTT(nn.Module):
             loss = loss + (self.decay ** i) * ce[valid].sum()
             hits = (logits.argmax(-1) == tid) & valid
             stats[f"acc{i}"] = torch.stack([hits.sum().float(), valid.sum().float()])
+            if not self.training:
+                stats.update(topk_hits(logits, tid, valid, i))
         return StepOut(loss, stats)
 
     def _fuse(self, cat_hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,357 @@
+"""Draft shapes chosen from measured costs: the static tree that maximises expected tokens per
+second on this machine, for a head whose acceptance per depth and rank is known.
+
+Inputs:
+- ``AcceptanceProfile``: ``rank_probs[d][r]`` = P(the target's next token is the head's rank-r
+  candidate at depth d+1 | every earlier token on the path was the target's), measured on held-out
+  on-policy data (``verispec train eagle3|medusa --eval-only`` writes it as ``acceptance.json``; the
+  shipped heads carry one in their folder).
+- ``StepCosts``: measured milliseconds of one target forward over T tokens (batch 1, the verify
+  forward), of the fixed drafting work per step (EAGLE: catch-up on the committed pairs, which
+  also gives depth 1; Medusa: the heads' one forward) and, for heads that draft level by level
+  (EAGLE), of one level over w nodes.
+
+Model. Under greedy verification a node is accepted iff every node on its path is the target's
+token, so a choices tree's expected tokens per step is ``1 + sum over nodes of prod_j p_j(r_j)``
+(depths treated as independent given a correct path). Its cost per step is
+``draft_fixed + sum_{d >= 1} level(nodes at depth d with children) + verify(1 + nodes)``
+(levels only for per-level heads). The best tree of m nodes holds the m most valuable paths:
+values fall along a path and across sibling ranks, so a best-first walk over (child rank 0,
+next sibling) yields them in order and every prefix is a connected choices tree. The chosen m
+maximises expected tokens / cost; ``vanilla_ms`` (= verify(1)) gives the modelled speed-up.
+
+Costs are measured once per machine, model, weights, threads and head and cached as JSON
+(``$VERISPEC_COST_CACHE``, default ``~/.cache/verispec/step_costs.json``); they describe batch 1.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+PROFILE_FILE = "acceptance.json"
+VERIFY_POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+LEVEL_WIDTHS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class AcceptanceProfile:
+    """``rank_probs[d][r]``: probability that depth d+1's target token is the rank-r candidate."""
+    rank_probs: tuple[tuple[float, ...], ...]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.rank_probs or not all(self.rank_probs):
+            raise ValueError("an acceptance profile needs at least one depth with one rank")
+        for d, row in enumerate(self.rank_probs):
+            if any(not 0.0 <= p <= 1.0 for p in row) or sum(row) > 1.0 + 1e-6:
+                raise ValueError(f"acceptance profile depth {d + 1}: probabilities must lie in [0, 1] "
+                                 f"and sum to at most 1, got {list(row)}")
+
+    @property
+    def depth(self) -> int:
+        return len(self.rank_probs)
+
+    def p(self, depth: int, rank: int) -> float:
+        """P for 1-based ``depth``; 0 beyond the measured depths or ranks."""
+        if depth > self.depth:
+            return 0.0
+        row = self.rank_probs[depth - 1]
+        return row[rank] if rank < len(row) else 0.0
+
+    @classmethod
+    def from_hits(cls, hits: list[list[float]], source: str = "") -> "AcceptanceProfile":
+        """From cumulative hit rates ``hits[d][k-1]`` = P(target token in the head's top k) at
+        depth d+1; made non-decreasing in k, then differenced."""
+        rows = []
+        for row in hits:
+            cum, probs, prev = 0.0, [], 0.0
+            for h in row:
+                cum = min(1.0, max(cum, float(h)))
+                probs.append(max(0.0, cum - prev))
+                prev = cum
+            rows.append(tuple(probs))
+        return cls(tuple(rows), source)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "AcceptanceProfile | None":
+        """The profile in ``folder/acceptance.json``, None when the folder has none."""
+        path = Path(folder) / PROFILE_FILE
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            return cls(tuple(tuple(float(p) for p in row) for row in data["rank_probs"]), str(path))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: not an acceptance profile ({e})") from e
+
+    def save(self, folder: str | Path, **meta) -> Path:
+        path = Path(folder) / PROFILE_FILE
+        path.write_text(json.dumps({"rank_probs": [list(r) for r in self.rank_probs], **meta}, indent=1) + "\n")
+        return path
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Measured milliseconds (batch 1): ``verify`` [(T, ms)], ``draft_fixed``, ``level`` [(w, ms)]
+    (empty for heads that draft every depth in one forward)."""
+    verify: tuple[tuple[int, float], ...]
+    draft_fixed: float
+    level: tuple[tuple[int, float], ...] = ()
+    note: str = ""
+
+    def verify_ms(self, t: int) -> float:
+        return _interpolate(self.verify, t)
+
+    def level_ms(self, w: int) -> float:
+        return _interpolate(self.level, w) if self.level else 0.0
+
+    @property
+    def vanilla_ms(self) -> float:
+        return self.verify_ms(1)
+
+
+def _monotone(points: tuple[tuple[int, float], ...]) -> list[tuple[int, float]]:
+    """The points made non-decreasing by pooling adjacent violators (isotonic regression): a
+    noisy spike or dip is averaged with its neighbours, not taken as a real cost step."""
+    blocks: list[list[float]] = []                      # [sum, count] per pooled block
+    xs = []
+    for x, y in sorted(points):
+        xs.append(x)
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    ys = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+    return list(zip(xs, ys))
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], x: int) -> float:
+    """Piecewise-linear through the monotone fit of the measured points, extended past the last
+    point with the last segment's slope."""
+    pts = _monotone(points)
+    if len(pts) == 1 or x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
+
+
+class ShapedFactory:
+    """A drafter factory that carries the draft shape it chose (``shape``; None when the user
+    gave a shape or no profile was found)."""
+
+    def __init__(self, make: Callable, shape: "ShapeChoice | None"):
+        self.make, self.shape = make, shape
+
+    def __call__(self, max_batch: int, max_len: int):
+        return self.make(max_batch, max_len)
+
+
+@dataclass(frozen=True)
+class ShapeChoice:
+    """The chosen tree (choices format) with its modelled numbers."""
+    choices: tuple[tuple[int, ...], ...]
+    expected_tokens: float
+    step_ms: float
+    vanilla_ms: float
+    reason: str = ""
+
+    @property
+    def speedup(self) -> float:
+        return self.expected_tokens * self.vanilla_ms / self.step_ms
+
+    @property
+    def depth(self) -> int:
+        return max(len(c) for c in self.choices)
+
+    @property
+    def topk(self) -> int:
+        return 1 + max(c[-1] for c in self.choices)
+
+    def describe(self) -> str:
+        shape = "chain" if self.topk == 1 else f"tree (topk {self.topk})"
+        return (f"{shape} of {len(self.choices)} nodes, depth {self.depth}: modelled {self.expected_tokens:.2f} "
+                f"tokens per {self.step_ms:.1f} ms step, {self.speedup:.2f}x over {self.vanilla_ms:.1f} ms decoding")
+
+    def as_dict(self) -> dict:
+        return {"choices": [list(c) for c in self.choices], "num_nodes": len(self.choices), "depth": self.depth,
+                "topk": self.topk, "expected_tokens": self.expected_tokens, "step_ms": self.step_ms,
+                "vanilla_ms": self.vanilla_ms, "modelled_speedup": self.speedup, "reason": self.reason}
+
+
+def best_paths(profile: AcceptanceProfile, max_nodes: int, max_depth: int, max_width: int):
+    """Up to ``max_nodes`` (path, value) in decreasing value; every prefix is a choices tree."""
+    heap = [(-profile.p(1, 0), (0,))]
+    out = []
+    while heap and len(out) < max_nodes:
+        neg, path = heapq.heappop(heap)
+        if -neg <= 0.0:
+            break
+        out.append((path, -neg))
+        parent_value = -neg / profile.p(len(path), path[-1])
+        if path[-1] + 1 < max_width:                              # next sibling
+            sib = path[:-1] + (path[-1] + 1,)
+            heapq.heappush(heap, (-parent_value * profile.p(len(sib), sib[-1]), sib))
+        if len(path) < max_depth:                                 # first child
+            child = path + (0,)
+            heapq.heappush(heap, (neg * profile.p(len(child), 0), child))
+    return out
+
+
+def tree_cost(choices, costs: StepCosts) -> float:
+    """Modelled milliseconds of one step drafting and verifying ``choices``."""
+    expanded: dict[int, int] = {}
+    for parent in {c[:-1] for c in choices if len(c) > 1}:
+        expanded[len(parent)] = expanded.get(len(parent), 0) + 1
+    draft = costs.draft_fixed + sum(costs.level_ms(w) for w in expanded.values())
+    return draft + costs.verify_ms(1 + len(choices))
+
+
+def best_tree(profile: AcceptanceProfile, costs: StepCosts, *, max_nodes: int = 32, max_depth: int = 8,
+              max_width: int = 8) -> ShapeChoice:
+    """The tree of at most ``max_nodes`` nodes with the most expected tokens per millisecond:
+    for each depth limit, every value-ordered prefix of the best paths (a level's cost can make
+    a shallower tree with more siblings beat the value order of a deeper one)."""
+    best, tried = None, 0
+    for depth in range(1, max_depth + 1):
+        paths = best_paths(profile, max_nodes, depth, max_width)
+        expected = 1.0
+        for m, (_, value) in enumerate(paths, start=1):
+            expected += value
+            choices = tuple(sorted((p for p, _ in paths[:m]), key=lambda c: (len(c), c)))
+            cand = ShapeChoice(choices, expected, tree_cost(choices, costs), costs.vanilla_ms)
+            tried += 1
+            if best is None or cand.expected_tokens / cand.step_ms > best.expected_tokens / best.step_ms + 1e-12:
+                best = cand
+    if best is None:
+        raise ValueError("the acceptance profile gives every draft token probability 0")
+    return replace(best, reason=f"best of {tried} trees by modelled tokens/ms ({profile.source or 'profile'})")
+
+
+# -- measuring ---------------------------------------------------------------------------------------
+def time_ms(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> float:
+    """Fastest wall milliseconds of ``fn()`` over ``reps`` runs: other work on the machine only
+    ever adds time, so the minimum is the least disturbed estimate."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, (time.perf_counter() - t0) * 1e3)
+    return best
+
+
+@torch.no_grad()
+def measure_verify(model, points: tuple[int, ...] = VERIFY_POINTS, context: int = 256,
+                   hidden_layers: tuple[int, ...] = (), reps: int = 7) -> tuple[tuple[int, float], ...]:
+    """The target forward over T tokens (batch 1) after ``context`` cached tokens, as the engine's
+    verify forward calls it; the cache is a scratch one."""
+    from .models.kv_cache import KVCache
+    dev = next(model.parameters()).device
+    cache = KVCache.for_model(model.cfg, 1, context + max(points) + 64, next(model.parameters()).dtype, device=dev)
+    cache.advance([0], context)
+    calls = {}
+    for t in points:
+        tokens = torch.zeros(1, t, dtype=torch.long, device=dev)
+        positions = torch.arange(context, context + t, device=dev)[None]
+        mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None]
+        calls[t] = (lambda tokens=tokens, positions=positions, mask=mask, t=t: model(
+            tokens, positions, cache, attn_mask=mask, rows=[0], hidden_layers=hidden_layers,
+            kv_len=cache.kv_len([0], t)))
+    return tuple(time_round_robin(calls, reps).items())
+
+
+def time_round_robin(calls: dict, reps: int = 7, warmup: int = 1) -> dict:
+    """Fastest milliseconds of each of ``calls`` (key -> fn), timed in turns so that a burst of
+    other work on the machine falls on every key alike."""
+    for fn in calls.values():
+        for _ in range(warmup):
+            fn()
+    best = {k: float("inf") for k in calls}
+    for _ in range(reps):
+        for k, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], (time.perf_counter() - t0) * 1e3)
+    return best
+
+
+def cost_key(target, head_folder: str | Path, kind: str) -> str:
+    """Machine, torch, threads, model, weights and head: what the costs depend on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    model = next(target.model.parameters())
+    head = Path(head_folder)
+    stamp = [str(head.resolve())] + [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}"
+                                     for p in sorted(head.glob("*")) if p.is_file()]
+    parts = [cpu, str(os.cpu_count()), torch.__version__, str(torch.get_num_threads()), str(target.name),
+             str(getattr(target, "weights", "")), str(model.dtype), str(model.device), kind,
+             hashlib.sha1("|".join(stamp).encode()).hexdigest()[:12]]
+    return "|".join(parts)
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("VERISPEC_COST_CACHE", Path.home() / ".cache" / "verispec" / "step_costs.json"))
+
+
+def cached_costs(key: str, measure: Callable[[], StepCosts]) -> StepCosts:
+    """The costs stored under ``key``, else measured now and stored (a broken cache is rewritten)."""
+    path = cache_path()
+    try:
+        table = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, json.JSONDecodeError):
+        table = {}
+    if key in table:
+        d = table[key]
+        return StepCosts(tuple(map(tuple, d["verify"])), d["draft_fixed"], tuple(map(tuple, d["level"])),
+                         d.get("note", ""))
+    costs = measure()
+    table[key] = {**asdict(costs), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass                                     # read-only home: measure again next time
+    return costs
+
+
+@dataclass
+class ShapeRequest:
+    """What a head factory asks: its profile, how to measure its drafting, its limits."""
+    profile: AcceptanceProfile
+    measure_draft: Callable[[], tuple[float, tuple[tuple[int, float], ...]]]
+    max_depth: int
+    max_nodes: int = 32
+    max_width: int = 8
+    extra: dict = field(default_factory=dict)
+
+
+def choose_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest,
+                 hidden_layers: tuple[int, ...] = ()) -> ShapeChoice:
+    """Measure (or read cached) step costs for ``target`` with this head and pick the best tree."""
+    def measure() -> StepCosts:
+        verify = measure_verify(target.model, hidden_layers=hidden_layers)
+        fixed, levels = req.measure_draft()
+        return StepCosts(verify, fixed, levels, note=f"measured at start-up, {torch.get_num_threads()} threads")
+    costs = cached_costs(cost_key(target, head_folder, kind), measure)
+    return best_tree(req.profile, costs, max_nodes=req.max_nodes, max_depth=req.max_depth,
+                     max_width=req.max_width)
