@@ -91,14 +91,16 @@ def ttt_attention(attn, x: torch.Tensor, cos, sin, past: list[tuple[torch.Tensor
 
 
 def ttt_step(head: Eagle3Head, tokens, positions, hidden, past):
-    """One unrolled step; mirrors ``Eagle3Head.forward`` with the TTT attention."""
+    """One unrolled step; mirrors ``Eagle3Head.forward`` with the TTT attention. Returns the state
+    to feed back, the final-normed state (``head.lm_head`` of it gives the logits) and the step's
+    K/V."""
     cos, sin = head._rope(positions, hidden.dtype)
     x = torch.cat([head.input_layernorm(head._embed(tokens)), head.hidden_norm(hidden)], dim=-1)
     a, kv = ttt_attention(head.attn, x, cos, sin, past)
     h = hidden + a
     h = h + head.mlp(head.post_attention_layernorm(h))
     normed = head.norm(h)
-    return (normed if head.cfg.norm_output else h), head.lm_head(normed), kv
+    return (normed if head.cfg.norm_output else h), normed, kv
 
 
 def _shift(x: torch.Tensor, i: int, fill) -> torch.Tensor:
@@ -133,30 +135,37 @@ class Eagle3TTT(nn.Module):
             raise ValueError("ttt_length must be >= 1")
         self.head, self.ttt_length, self.decay = head, ttt_length, decay
 
-    def unroll(self, inp: Eagle3Inputs) -> list[torch.Tensor]:
-        """Draft-vocabulary logits [B, L, D] of every TTT step."""
+    def states(self, inp: Eagle3Inputs) -> list[torch.Tensor]:
+        """Final-normed head states [B, L, h] of every TTT step."""
         hidden = self._fuse(inp.hidden)
         past: list = []
         out = []
         for i in range(self.ttt_length):
-            hidden, logits, kv = ttt_step(self.head, _shift(inp.tokens, i, 0), inp.positions + i, hidden, past)
+            hidden, normed, kv = ttt_step(self.head, _shift(inp.tokens, i, 0), inp.positions + i, hidden, past)
             past.append(kv)
-            out.append(logits)
+            out.append(normed)
         return out
 
+    def unroll(self, inp: Eagle3Inputs) -> list[torch.Tensor]:
+        """Draft-vocabulary logits [B, L, D] of every TTT step."""
+        return [self.head.lm_head(n) for n in self.states(inp)]
+
     def forward(self, inp: Eagle3Inputs) -> StepOut:
+        """The LM head (the costliest matmul, over the draft vocabulary) runs only at each step's
+        valid positions: nothing else is read from the logits."""
         loss = torch.zeros((), dtype=torch.float32, device=inp.tokens.device)
         stats = {}
-        for i, logits in enumerate(self.unroll(inp)):
-            p = _shift(inp.target_p, i, 0.0)
+        for i, normed in enumerate(self.states(inp)):
             valid = _shift(inp.valid, i, False)
-            tid = _shift(inp.target_ids, i, -1)
+            p = _shift(inp.target_p, i, 0.0)[valid]
+            tid = _shift(inp.target_ids, i, -1)[valid]
+            logits = self.head.lm_head(normed[valid])                          # [n_valid, D]
             ce = -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1)
-            loss = loss + (self.decay ** i) * ce[valid].sum()
-            hits = (logits.argmax(-1) == tid) & valid
-            stats[f"acc{i}"] = torch.stack([hits.sum().float(), valid.sum().float()])
+            loss = loss + (self.decay ** i) * ce.sum()
+            n = valid.sum().float()
+            stats[f"acc{i}"] = torch.stack([(logits.argmax(-1) == tid).sum().float(), n])
             if not self.training:
-                stats.update(topk_hits(logits, tid, valid, i))
+                stats.update(topk_hits(logits, tid, torch.ones_like(tid, dtype=torch.bool), i))
         return StepOut(loss, stats)
 
     def _fuse(self, cat_hidden: torch.Tensor) -> torch.Tensor:
@@ -192,10 +201,15 @@ class Eagle3Task:
         aux, last = self._features(batch)
         last = last[:, 1:]                                              # positions 1..T-1
         w = self.target.lm_head.weight
-        full_argmax = torch.cat([F.linear(c, w).argmax(-1) for c in last.split(128, dim=1)], dim=1)
+        in_loss = _shift(batch.loss_mask, 2, 0.0)[:, :t - 1] > 0
+        # the full-vocabulary argmax only where a loss is taken (it only decides validity there)
+        picked = last[in_loss]
+        full_argmax = torch.zeros(b, t - 1, dtype=torch.long, device=ids.device)
+        if picked.shape[0]:
+            full_argmax[in_loss] = torch.cat([F.linear(c, w).argmax(-1) for c in picked.split(256)])
         draft_logits = F.linear(last, w[self.draft_ids])
         target_ids = self.target_to_draft[full_argmax]
-        valid = (target_ids >= 0) & (_shift(batch.loss_mask, 2, 0.0)[:, :t - 1] > 0)
+        valid = (target_ids >= 0) & in_loss
         return Eagle3Inputs(tokens=ids[:, 1:], positions=pos[:, :-1], hidden=aux[:, :-1].float(),
                             target_p=F.softmax(draft_logits.float(), -1), target_ids=target_ids,
                             valid=valid, count=float(valid.sum()))
