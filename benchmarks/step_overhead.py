@@ -24,8 +24,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = [   # (name, speculative_config, temperature, batch)
-    ("eagle3 dynamic tree (<=60 nodes), greedy", {"method": "eagle3"}, 0.0, 1),
-    ("eagle3 dynamic tree (<=60 nodes), T=0.8", {"method": "eagle3"}, 0.8, 1),
+    ("eagle3 dynamic tree (topk 8, depth 6), greedy", {"method": "eagle3", "topk": 8, "depth": 6}, 0.0, 1),
+    ("eagle3 dynamic tree (topk 8, depth 6), T=0.8", {"method": "eagle3", "topk": 8, "depth": 6}, 0.8, 1),
     ("eagle3 demo tree (4 nodes), greedy, batch 4", {"method": "eagle3", "topk": 2, "depth": 3,
                                                      "num_draft_tokens": 4}, 0.0, 4),
     ("eagle3 demo tree (4 nodes), T=0.8, batch 4", {"method": "eagle3", "topk": 2, "depth": 3,

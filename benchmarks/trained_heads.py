@@ -11,6 +11,12 @@ Three suites on smollm2-135m (fp32) with the heads in ``checkpoints/``, written 
   64 tokens.
 * ``batch-sweep``: vanilla and eagle3 at batch 1, 4, 8 on 2 categories (summarization, qa),
   64 tokens (questions repeated to fill a batch).
+* ``cpu-default``: what a user gets by default on this CPU (issue 22's numbers): fp16-packed
+  weights, Spec-Bench, 2 questions in each of the 13 categories, 128 new tokens per turn, greedy,
+  batch 1; vanilla, eagle3 and eagle and medusa with their default configs (a head carrying an
+  ``acceptance.json`` profile gets the tree chosen from this machine's measured costs; the report
+  lists the chosen shapes) and eagle3-dynamic (EAGLE-2's dynamic tree, topk 8, depth 6, for
+  reference). ``python benchmarks/trained_heads.py --suites cpu-default`` (about 10 min).
 * ``heads-fp16``: the heads with fp16-packed weights (target and heads), 64 tokens per turn:
   vanilla, eagle3 (default dynamic tree), eagle3-cpu (topk 2 / depth 3 / 4 nodes, the demo's),
   eagle3-chain (a chain of 3), eagle (EAGLE-1, default static tree), medusa.
@@ -49,6 +55,9 @@ def suites(threads: int) -> list[BenchConfig]:
                     method_configs={"eagle3-cpu": {"method": "eagle3", "topk": 2, "depth": 3, "num_draft_tokens": 4},
                                     "eagle3-chain": {"method": "eagle3", "topk": 1, "depth": 3, "num_draft_tokens": 3}},
                     per_category=1, max_tokens=64, batch_sizes=(1,), weights="fp16", **common),
+        BenchConfig(name="cpu-default", methods=("vanilla", "eagle3", "eagle3-dynamic", "eagle", "medusa"),
+                    method_configs={"eagle3-dynamic": {"method": "eagle3", "topk": 8, "depth": 6}},
+                    per_category=2, max_tokens=128, batch_sizes=(1,), weights="fp16", **common),
         BenchConfig(name="batch-sweep", methods=("vanilla", "eagle3"), categories=SUBSET[1:3], per_category=1,
                     max_tokens=64, batch_sizes=(1, 4, 8), **common),
     ]

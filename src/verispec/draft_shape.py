@@ -182,7 +182,8 @@ class ShapeChoice:
 
     def describe(self) -> str:
         shape = "chain" if self.topk == 1 else f"tree (topk {self.topk})"
-        return (f"{shape} of {len(self.choices)} nodes, depth {self.depth}: modelled {self.expected_tokens:.2f} "
+        nodes = "node" if len(self.choices) == 1 else "nodes"
+        return (f"{shape} of {len(self.choices)} {nodes}, depth {self.depth}: modelled {self.expected_tokens:.2f} "
                 f"tokens per {self.step_ms:.1f} ms step, {self.speedup:.2f}x over {self.vanilla_ms:.1f} ms decoding")
 
     def as_dict(self) -> dict:

@@ -119,6 +119,7 @@ class BenchResult:
     skipped: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
     load_s: float = 0.0
+    draft_shapes: dict = field(default_factory=dict)    # method -> draft_shape.ShapeChoice.as_dict()
 
     def available(self) -> list[MethodSpec]:
         return [m for m in self.methods if m.unavailable is None]
@@ -128,7 +129,8 @@ class BenchResult:
                 "methods": [m.as_dict() for m in self.methods],
                 "records": [asdict(r) for r in self.records],
                 "fidelity": [asdict(f) for f in self.fidelity],
-                "skipped": list(self.skipped), "wall_s": self.wall_s, "load_s": self.load_s}
+                "skipped": list(self.skipped), "wall_s": self.wall_s, "load_s": self.load_s,
+                "draft_shapes": dict(self.draft_shapes)}
 
 
 def stats_dict(stats: SpecStats) -> dict:

@@ -244,11 +244,21 @@ def _methods_table(result: BenchResult) -> list[str]:
     return _table(["Method", "Kind", "Config", "Status"], rows)
 
 
+def _shape_line(shape: dict) -> str:
+    kind = "chain" if shape["topk"] == 1 else f"tree, topk {shape['topk']}"
+    return (f"{kind}, {shape['num_nodes']} nodes, depth {shape['depth']}, choices `{shape['choices']}`; "
+            f"modelled {shape['expected_tokens']:.2f} tokens per {shape['step_ms']:.1f} ms step against "
+            f"{shape['vanilla_ms']:.1f} ms per decoding step ({shape['modelled_speedup']:.2f}x)")
+
+
 def suite_markdown(result: BenchResult, summaries: list[Summary]) -> list[str]:
     """The report section of one suite: settings, category tables, details, batch sweep."""
     b = min(result.config["batch_sizes"])
     out = [f"## Suite `{result.name}`", ""] + _settings(result) + ["", "### Methods", ""]
     out += _methods_table(result)
+    if result.draft_shapes:
+        out += ["", "### Draft shapes chosen from measured costs", ""]
+        out += [f"- `{name}`: {_shape_line(shape)}" for name, shape in sorted(result.draft_shapes.items())]
     out += ["", f"### Speedup over vanilla (batch {b})", ""]
     out += category_table(result, summaries, b, lambda s: _x(s and s.speedup_vs_vanilla))
     out += ["", f"### Mean acceptance length τ, bonus token included (batch {b})", ""]
@@ -471,7 +481,7 @@ def load_results(path: str | Path) -> list[BenchResult]:
         out.append(BenchResult(s["name"], config, s["machine"], [MethodSpec(**m) for m in s["methods"]],
                                [RunRecord(**r) for r in s["records"]],
                                [FidelityRecord(**f) for f in s["fidelity"]],
-                               list(s["skipped"]), s["wall_s"], s["load_s"]))
+                               list(s["skipped"]), s["wall_s"], s["load_s"], dict(s.get("draft_shapes", {}))))
     return out
 
 

@@ -498,6 +498,8 @@ def run_benchmark(config: BenchConfig, loaded: LoadedModel | None = None, progre
     machine = machine_info(dtype, meter, module_device(loaded.model))
     result = BenchResult(config.name, config.as_dict(), machine, specs,
                          load_s=time.perf_counter() - t0)
+    result.draft_shapes = {name: r.llm.draft_shape.as_dict() for name, r in runners.items()
+                           if isinstance(r, EngineRunner) and r.llm.draft_shape is not None}
     t1 = time.perf_counter()
     warm_up(runners, loaded.tokenizer, questions[0], config)
     plan = [(b, g, r) for b in config.batch_sizes for g in make_groups(questions, b) for r in range(config.repeats)]

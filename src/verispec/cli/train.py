@@ -97,17 +97,18 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_only(args: argparse.Namespace, trainer, n_heldout: int) -> int:
+def _eval_only(args: argparse.Namespace, trainer, n_heldout: int, depth: int | None = None) -> int:
     """Held-out statistics of the ``--init-from`` head at ``--ttt-length`` steps, to
     ``<out>/eval.json``; nothing is trained."""
     import json
     if n_heldout == 0:
         raise SystemExit("--eval-only needs held-out data (--heldout-fraction > 0)")
-    ev = {"head": args.init_from, "ttt_length": args.ttt_length, "heldout_sequences": n_heldout,
+    depth = args.ttt_length if depth is None else depth
+    ev = {"head": args.init_from, "depth": depth, "heldout_sequences": n_heldout,
           **trainer.evaluate()}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "eval.json").write_text(json.dumps(ev, indent=1))
-    profile = acceptance_profile(ev, args.ttt_length, f"held-out eval of {args.init_from}")
+    profile = acceptance_profile(ev, depth, f"held-out eval of {args.init_from}")
     if profile is not None:
         path = profile.save(args.out, head=str(args.init_from), heldout_sequences=n_heldout,
                             data=[str(d) for d in args.data])

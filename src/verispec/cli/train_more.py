@@ -51,7 +51,14 @@ def cmd_medusa(args: argparse.Namespace, train_config) -> int:
     prep = _setup(args)
     target = prep.target.model
     cfg = new_medusa_config(target.cfg, args.num_heads, args.num_layers, args.tied_lm_head)
-    heads = init_medusa_heads(cfg, target)
+    if args.init_from:
+        from ..formats import load_medusa_heads
+        heads = load_medusa_heads(args.init_from, target).float().requires_grad_(True).train()
+        cfg = heads.cfg
+    else:
+        heads = init_medusa_heads(cfg, target)
+    if args.eval_only and (args.medusa2 or not args.init_from):
+        raise SystemExit("--eval-only needs --init-from (Medusa-1 heads to evaluate)")
     if args.medusa2:
         task = Medusa2Task(target, heads, decay=args.decay, heads_coefficient=args.heads_coefficient,
                            kl_weight=args.kl_weight)
@@ -59,6 +66,13 @@ def cmd_medusa(args: argparse.Namespace, train_config) -> int:
     else:
         task = Medusa1Task(target, heads, decay=args.decay, labels=args.labels)
     task.save_dtype = _save_dtype(args)
+    if args.eval_only:
+        import dataclasses
+
+        from .train import _eval_only
+        no_resume = dataclasses.replace(train_config(args), resume=False)
+        return _eval_only(args, Trainer(task, prep.train, prep.heldout, no_resume), len(prep.heldout),
+                          depth=heads.cfg.num_heads)
     result = Trainer(task, prep.train, prep.heldout, train_config(args)).fit()
     extra = {"method": "medusa2" if args.medusa2 else "medusa1", "num_heads": args.num_heads,
              "num_layers": args.num_layers, "tied_lm_head": args.tied_lm_head, "decay": args.decay,
@@ -97,4 +111,8 @@ def add_more_parsers(tsub, common, train_config) -> None:
                     help="train a copy of the backbone jointly (self-distilled); writes a new model")
     md.add_argument("--heads-coefficient", type=float, default=0.2, help="Medusa-2: weight of the head losses")
     md.add_argument("--kl-weight", type=float, default=1.0, help="Medusa-2: weight of the backbone distillation")
+    md.add_argument("--init-from", help="Medusa-1 heads folder to start from (warm start or --eval-only)")
+    md.add_argument("--eval-only", action="store_true",
+                    help="only evaluate the --init-from heads on the held-out split (writes <out>/eval.json and "
+                         "<out>/acceptance.json, the profile draft shapes are chosen from)")
     md.set_defaults(func=lambda a: cmd_medusa(a, train_config))

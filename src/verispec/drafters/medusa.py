@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..draft_shape import AcceptanceProfile, ShapedFactory, ShapeRequest, choose_shape, time_ms
 from ..models.packed import follows_packed_target
+from ..params import SamplingParams
 from ..shipped import with_shipped_head
 from ..spec_config import MedusaSpecConfig, SpecConfigError
 from ..tree import DraftTree, tree_from_choices
@@ -106,6 +108,10 @@ def medusa_tree(config: MedusaSpecConfig, num_heads: int) -> StaticTreeConfig:
 
 
 def build_medusa_factory(config: MedusaSpecConfig, target):
+    """Load the heads once; make a drafter per engine. Without ``tree`` or
+    ``num_speculative_tokens``, heads whose folder has an ``acceptance.json`` profile get the tree
+    that maximises modelled tokens/s from this machine's measured costs (``draft_shape``; all
+    depths come from one heads forward, so only the verify cost grows with the tree)."""
     from ..formats import CheckpointError, load_medusa_heads
     config = with_shipped_head(config, target)
     try:
@@ -114,5 +120,26 @@ def build_medusa_factory(config: MedusaSpecConfig, target):
         raise SpecConfigError(f"speculative_config 'model': {e}") from e
     if follows_packed_target(target, heads):
         heads.pack_fp16_(target.model.lm_head)      # draft with the target's fp16-packed kernels
-    tree = medusa_tree(config, heads.cfg.num_heads)
-    return lambda max_batch, max_len: MedusaDrafter(heads, tree)
+    tree, shape = medusa_tree(config, heads.cfg.num_heads), None
+    user_shape = config.tree is not None or config.num_speculative_tokens is not None
+    profile = None if user_shape else AcceptanceProfile.load(config.model)
+    if profile is not None:
+        req = ShapeRequest(profile, lambda: (draft_cost(heads), ()), max_depth=heads.cfg.num_heads)
+        shape = choose_shape(target, config.model, "medusa", req)
+        tree = StaticTreeConfig(shape.choices)
+    return ShapedFactory(lambda max_batch, max_len: MedusaDrafter(heads, tree), shape)
+
+
+def draft_cost(heads: MedusaHeads, reps: int = 7) -> float:
+    """Milliseconds of one batch-1 proposal (accept one token's feature, heads forward, top
+    ranks): the same for any tree, since every depth comes from the one forward."""
+    drafter = MedusaDrafter(heads, StaticTreeConfig(((0,),)))
+    dev = drafter.device
+    h = torch.zeros(1, heads.cfg.hidden_size, dtype=_dtype(heads), device=dev)
+    drafter.start(0, [1], TargetFeatures({}, h))
+    req = DraftRequest(0, [1, 1], SamplingParams(), torch.Generator(device="cpu"))
+
+    def step():
+        drafter.accept(0, [1], TargetFeatures({}, h))
+        drafter.propose([req])
+    return time_ms(step, reps=reps)

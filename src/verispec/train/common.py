@@ -78,3 +78,18 @@ def write_meta(out_dir: Path, prep: Prepared, result, extra: dict) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "train_meta.json").write_text(json.dumps(meta, indent=2))
     return meta
+PROFILE_WIDTH = 8
+
+
+@torch.no_grad()
+def topk_hits(logits: torch.Tensor, target_ids: torch.Tensor, valid: torch.Tensor, step: int,
+              width: int = PROFILE_WIDTH) -> dict[str, torch.Tensor]:
+    """``hit{step}@{k}`` = [positions whose target id is among the head's top k, valid positions]
+    for k = 1..width (evaluation only: the acceptance profile of ``draft_shape``)."""
+    top = torch.topk(logits.float(), min(width, logits.shape[-1]), dim=-1).indices
+    rank_hit = (top == target_ids[..., None]) & valid[..., None]                 # [B, L, width]
+    cum = rank_hit.cumsum(-1).bool().flatten(0, -2).sum(0).float()
+    n = valid.sum().float()
+    return {f"hit{step}@{k + 1}": torch.stack([cum[k], n]) for k in range(cum.shape[0])}
+
+

@@ -28,6 +28,7 @@ from ..formats import save_eagle_head
 from ..drafters.eagle_head import Eagle3Head, EagleHeadConfig, HeadKind, init_head_weights
 from ..drafters.base import TargetFeatures
 from ..models.transformer import apply_rope
+from .common import topk_hits
 from .loop import Batch, StepOut
 from .vocab import DraftVocab
 
@@ -109,21 +110,6 @@ def _shift(x: torch.Tensor, i: int, fill) -> torch.Tensor:
         return x
     pad = torch.full_like(x[:, :i], fill)
     return torch.cat([x[:, i:], pad], dim=1)
-
-
-PROFILE_WIDTH = 8
-
-
-@torch.no_grad()
-def topk_hits(logits: torch.Tensor, target_ids: torch.Tensor, valid: torch.Tensor, step: int,
-              width: int = PROFILE_WIDTH) -> dict[str, torch.Tensor]:
-    """``hit{step}@{k}`` = [positions whose target id is among the head's top k, valid positions]
-    for k = 1..width (evaluation only: the acceptance profile of ``draft_shape``)."""
-    top = torch.topk(logits.float(), min(width, logits.shape[-1]), dim=-1).indices
-    rank_hit = (top == target_ids[..., None]) & valid[..., None]                 # [B, L, width]
-    cum = rank_hit.cumsum(-1).bool().flatten(0, -2).sum(0).float()
-    n = valid.sum().float()
-    return {f"hit{step}@{k + 1}": torch.stack([cum[k], n]) for k in range(cum.shape[0])}
 
 
 class Eagle3TTT(nn.Module):

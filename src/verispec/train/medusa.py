@@ -55,6 +55,7 @@ from ..formats import save_medusa_heads, write_config, write_tensors
 from ..drafters.medusa_head import MedusaConfig, MedusaHeads
 from ..models.hf_loader import _HF_GLOBAL, _HF_LAYER
 from ..models.transformer import Transformer
+from .common import topk_hits
 from .loop import Batch, StepOut
 
 DECAY = 0.8                 # Medusa's medusa_decay_coefficient
@@ -112,16 +113,21 @@ def head_targets(batch: Batch, num_heads: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _heads_loss(heads: MedusaHeads, f: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, decay: float,
-                lm_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """sum_k decay**k * CE summed over head k's valid positions; acc{k} stats."""
+                lm_weight: torch.Tensor | None = None, hits: bool = False
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """sum_k decay**k * CE summed over head k's valid positions; acc{k} stats (``hits``: also
+    ``hit{k}@{r}``, the share of head k's valid positions whose label is in its top r)."""
+    want_hits = hits
     loss = torch.zeros((), dtype=torch.float32, device=f.device)
     stats = {}
     for k in range(heads.cfg.num_heads):
         logits = head_logits(heads, k, f[valid[k]], lm_weight).float()
         y = labels[k][valid[k]]
         loss = loss + (decay ** k) * F.cross_entropy(logits, y, reduction="sum")
-        hits = (logits.argmax(-1) == y).sum().float()
-        stats[f"acc{k}"] = torch.stack([hits.detach(), torch.tensor(float(y.numel()), device=f.device)])
+        n_hit = (logits.argmax(-1) == y).sum().float()
+        stats[f"acc{k}"] = torch.stack([n_hit.detach(), torch.tensor(float(y.numel()), device=f.device)])
+        if want_hits:
+            stats.update(topk_hits(logits, y, torch.ones_like(y, dtype=torch.bool), k))
     return loss, stats
 
 
@@ -140,7 +146,7 @@ class Medusa1Module(nn.Module):
         self.heads, self.decay = heads, decay
 
     def forward(self, inp: Medusa1Inputs) -> StepOut:
-        loss, stats = _heads_loss(self.heads, inp.hidden, inp.labels, inp.valid, self.decay)
+        loss, stats = _heads_loss(self.heads, inp.hidden, inp.labels, inp.valid, self.decay, hits=not self.training)
         return StepOut(loss, stats)
 
 

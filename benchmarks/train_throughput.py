@@ -1,0 +1,102 @@
+"""EAGLE-3 training throughput with and without the offline feature cache (issue 22 item 3).
+
+On the same regenerated conversations (``--data``, first ``--limit`` of each file): (1) ``verispec
+data features`` writes the target's hidden states once (fp16 safetensors shards); (2) ``verispec
+train eagle3`` runs ``--steps`` optimizer steps reading the target forward online; (3) the same
+steps reading the cache (``--features``). Each runs in its own process with the same threads.
+Reported: sequence tokens and loss tokens per second of training (from the run's own log, first
+step left out as warm-up), the feature pass's tokens per second, and the epochs after which the
+cache has paid for itself.
+
+    python benchmarks/train_throughput.py --data runs/regen/a.jsonl runs/regen/b.jsonl
+
+Results: ``benchmarks/results/train_throughput.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info, write_result  # noqa: E402
+
+VERISPEC = [sys.executable, "-m", "verispec.cli"]
+
+
+def _run(cmd: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def _rates(run: Path) -> dict:
+    """Tokens per second over the logged steps after the first (warm-up)."""
+    recs = [json.loads(ln) for ln in (run / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "elapsed_s" in r and "loss" in r]
+    first, last = steps[0], steps[-1]
+    dt = last["elapsed_s"] - first["elapsed_s"]
+    loss_tokens = sum(r["count"] for r in steps[1:])
+    return {"steps_timed": len(steps) - 1, "seconds": dt, "loss_tokens_per_s": loss_tokens / dt,
+            "seconds_per_step": dt / (len(steps) - 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", nargs="+", required=True)
+    ap.add_argument("--limit", type=int, default=48)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--head", default="checkpoints/smollm2-135m-eagle3")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "train_throughput"))
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="verispec-tt-"))
+    common = ["--data", *args.data, "--limit", str(args.limit), "--max-length", "512", "--heldout-fraction", "0.05",
+              "--threads", str(args.threads)]
+    feats = tmp / "feats"
+    t_feat = _run(VERISPEC + ["data", "features", *common, "--out", str(feats), "--dtype", "fp16", "--quiet"])
+    index = json.loads((feats / "index.json").read_text())
+    cache_bytes = sum(f.stat().st_size for f in feats.iterdir())
+    train = ["train", "eagle3", *common, "--init-from", args.head, "--ttt-length", "5", "--batch-size", "4",
+             "--micro-batch-size", "4", "--max-steps", str(args.steps), "--log-every", "1", "--save-every", "1000",
+             "--dtype", "bf16", "--quiet"]
+    rows = {}
+    for name, extra in (("online", []), ("cache", ["--features", str(feats)])):
+        run = tmp / name
+        _run(VERISPEC + train + ["--out", str(run)] + extra)
+        rows[name] = _rates(run)
+    meta = json.loads((tmp / "online" / "train_meta.json").read_text())
+    tokens = meta.get("train_tokens") or 0
+    feat_rate = tokens / t_feat if t_feat else 0.0
+    ratio = rows["cache"]["loss_tokens_per_s"] / rows["online"]["loss_tokens_per_s"]
+    result = {"machine": machine_info(), "threads": args.threads, "data": args.data, "limit": args.limit,
+              "train_sequences": meta.get("train_sequences"), "train_tokens": tokens,
+              "feature_pass_s": t_feat, "feature_pass_tokens_per_s": feat_rate, "feature_layers": index.get("layers"),
+              "cache_bytes": cache_bytes, "cache_bytes_per_token": cache_bytes / max(tokens, 1),
+              "online": rows["online"], "cache": rows["cache"], "speedup_with_cache": ratio}
+    shutil.rmtree(tmp, ignore_errors=True)
+    md = ["# EAGLE-3 training throughput, with and without the feature cache", "",
+          f"Machine: {result['machine'].get('cpu', '?')}, {args.threads} threads; head warm-started from "
+          f"`{args.head}`; TTT 5, bf16 autocast, 4 sequences of at most 512 tokens per step; {args.steps} steps, "
+          "the first left out.", "",
+          "| run | seconds per step | loss tokens/s |", "|---|---|---|",
+          f"| online (target forward in every step) | {rows['online']['seconds_per_step']:.2f} | "
+          f"{rows['online']['loss_tokens_per_s']:.1f} |",
+          f"| feature cache | {rows['cache']['seconds_per_step']:.2f} | {rows['cache']['loss_tokens_per_s']:.1f} |", "",
+          f"Cache: {tokens} sequence tokens written in {t_feat:.1f} s ({feat_rate:.0f} tokens/s, process start "
+          f"and model load included), {cache_bytes / 2**20:.1f} MiB ({result['cache_bytes_per_token']:.0f} bytes "
+          f"per token, fp16). Training reads it {ratio:.2f}x as fast as it runs the target itself.", "",
+          f"Command: `python benchmarks/train_throughput.py --data {' '.join(args.data)} --limit {args.limit}`.", ""]
+    text = "\n".join(md)
+    write_result(result, args.out, lambda _r, path: Path(path).write_text(text))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
