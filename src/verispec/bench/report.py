@@ -246,7 +246,8 @@ def _methods_table(result: BenchResult) -> list[str]:
 
 def _shape_line(shape: dict) -> str:
     kind = "chain" if shape["topk"] == 1 else f"tree, topk {shape['topk']}"
-    return (f"{kind}, {shape['num_nodes']} nodes, depth {shape['depth']}, choices `{shape['choices']}`; "
+    nodes = "node" if shape["num_nodes"] == 1 else "nodes"
+    return (f"{kind}, {shape['num_nodes']} {nodes}, depth {shape['depth']}, choices `{shape['choices']}`; "
             f"modelled {shape['expected_tokens']:.2f} tokens per {shape['step_ms']:.1f} ms step against "
             f"{shape['vanilla_ms']:.1f} ms per decoding step ({shape['modelled_speedup']:.2f}x)")
 
