@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from ..device import add_device_argument
+from .train_eval import eval_only
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -86,7 +86,7 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     task.save_dtype = torch.bfloat16 if args.save_dtype == "bf16" else torch.float32
     if args.eval_only:
         no_resume = dataclasses.replace(train_config(args), resume=False)   # evaluate the head, not a run's state
-        return _eval_only(args, Trainer(task, prep.train, prep.heldout, no_resume), len(prep.heldout))
+        return eval_only(args, Trainer(task, prep.train, prep.heldout, no_resume), len(prep.heldout))
     result = Trainer(task, prep.train, prep.heldout, train_config(args)).fit()
     write_meta(Path(args.out), prep, result, {
         "method": "eagle3.1" if args.eagle31 else "eagle3", "ttt_length": args.ttt_length,
@@ -95,42 +95,6 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     print(f"{'wrote ' + str(Path(args.out) / 'checkpoint') if done else 'stopped early (resume to finish)'}; "
           f"held-out: {result.eval}")
     return 0
-
-
-def _eval_only(args: argparse.Namespace, trainer, n_heldout: int, depth: int | None = None) -> int:
-    """Held-out statistics of the ``--init-from`` head at ``--ttt-length`` steps, to
-    ``<out>/eval.json``; nothing is trained."""
-    import json
-    if n_heldout == 0:
-        raise SystemExit("--eval-only needs held-out data (--heldout-fraction > 0)")
-    depth = args.ttt_length if depth is None else depth
-    ev = {"head": args.init_from, "depth": depth, "heldout_sequences": n_heldout,
-          **trainer.evaluate()}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "eval.json").write_text(json.dumps(ev, indent=1))
-    profile = acceptance_profile(ev, depth, f"held-out eval of {args.init_from}")
-    if profile is not None:
-        path = profile.save(args.out, head=str(args.init_from), heldout_sequences=n_heldout,
-                            data=[str(d) for d in args.data])
-        print(f"acceptance profile (depth x rank) -> {path}; copy it into the head folder to let "
-              "the default speculative config choose its tree from measured costs", file=sys.stderr)
-    print(json.dumps(ev))
-    return 0
-
-
-def acceptance_profile(ev: dict, ttt_length: int, source: str):
-    """The ``draft_shape.AcceptanceProfile`` of an evaluation's ``hit{i}@{k}`` rates (depths with
-    no valid position are left out at the end); None when there are none."""
-    import math
-
-    from ..draft_shape import AcceptanceProfile
-    rows = []
-    for i in range(ttt_length):
-        row = [ev.get(f"hit{i}@{k}") for k in range(1, 9)]
-        if row[0] is None or any(v is None or math.isnan(v) for v in row):
-            break
-        rows.append(row)
-    return AcceptanceProfile.from_hits(rows, source) if rows else None
 
 
 def _warm_head(args: argparse.Namespace, target):

@@ -69,9 +69,9 @@ def cmd_medusa(args: argparse.Namespace, train_config) -> int:
     if args.eval_only:
         import dataclasses
 
-        from .train import _eval_only
+        from .train_eval import eval_only
         no_resume = dataclasses.replace(train_config(args), resume=False)
-        return _eval_only(args, Trainer(task, prep.train, prep.heldout, no_resume), len(prep.heldout),
+        return eval_only(args, Trainer(task, prep.train, prep.heldout, no_resume), len(prep.heldout),
                           depth=heads.cfg.num_heads)
     result = Trainer(task, prep.train, prep.heldout, train_config(args)).fit()
     extra = {"method": "medusa2" if args.medusa2 else "medusa1", "num_heads": args.num_heads,
