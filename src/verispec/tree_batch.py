@@ -13,9 +13,13 @@ N = T - 1 node columns (padding columns are ``valid`` False):
 - ``earlier_sibling [B, N, N]``: [b, i, j] True iff j is a sibling of i tried before it;
 - ``ancestor [B, N, N]``: [b, i, j] True iff node j is node i or one of its ancestors;
 - ``has_children [B, T]``: the entry has at least one child;
-- ``rank_groups``: for each sibling rank k (0 = first child), the (row, parent entry, child node)
+- ``rank_groups``: for each sibling rank k (0 = first child), the (row, parent slot, child node)
   index triples of every rank-k child in the batch: what sequential sibling-by-sibling rejection
-  needs, one group of tensor operations per rank;
+  needs, one group of tensor operations per rank; a parent's *slot* is its column's index in
+  ``parent_cols``;
+- ``parent_cols [P]``: the entries (columns) that are a parent in at least one row, ascending, and
+  ``parent_slot [T]``: each column's index in ``parent_cols``, -1 for columns no row branches from
+  (rejection sampling keeps residuals for these P columns only, not for all T);
 - ``q [B, N, V]`` float32 or None: the draft distributions; None when every tree is deterministic;
   a deterministic tree in a batch with q gets one-hot rows (the same acceptance test and residual);
 - host facts: ``sizes`` (nodes per row), ``depths`` (deepest node per row), ``max_depth``.
@@ -42,7 +46,9 @@ class TreeBatch:
     earlier_sibling: torch.Tensor    # [B, N, N] bool
     ancestor: torch.Tensor           # [B, N, N] bool
     has_children: torch.Tensor       # [B, T] bool
-    rank_groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]   # per rank: rows, parents, children
+    rank_groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]   # per rank: rows, parent slots, children
+    parent_cols: torch.Tensor        # [P] int64: entries that are a parent in some row
+    parent_slot: torch.Tensor        # [T] int64: index in parent_cols, -1 if none
     q: torch.Tensor | None           # [B, N, V] float32
     sizes: tuple[int, ...]           # nodes per row (host)
     depths: tuple[int, ...]          # deepest node per row, 0 for an empty tree (host)
@@ -102,6 +108,10 @@ class TreeBatch:
                         groups.append([[], [], []])
                     for lst, val in zip(groups[k], (row, p + 1, c)):
                         lst.append(val)
+        cols = sorted({p for g in groups for p in g[1]})
+        slot = torch.full((n + 1,), -1, dtype=torch.long, device="cpu")
+        slot[cols] = torch.arange(len(cols), dtype=torch.long, device="cpu")
+        groups = [[g[0], slot[g[1]].tolist(), g[2]] for g in groups]
         q = _stack_q(trees, n, vocab)
         to = lambda x: x.to(device, non_blocking=True)  # noqa: E731
         return TreeBatch(
@@ -109,6 +119,7 @@ class TreeBatch:
             parent_entry=to(parent_entry), valid=to(valid), earlier_sibling=to(earlier),
             ancestor=to(mask[:, 1:, 1:] & valid[:, :, None]), has_children=to(has_children),
             rank_groups=tuple(tuple(torch.tensor(x, dtype=torch.long, device=device) for x in g) for g in groups),
+            parent_cols=torch.tensor(cols, dtype=torch.long, device=device), parent_slot=to(slot),
             q=None if q is None else q.to(device), sizes=tuple(len(p) for p in parents), depths=tuple(depths))
 
 

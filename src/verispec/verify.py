@@ -93,13 +93,16 @@ class BatchAccept:
 def accept_batch(batch: TreeBatch, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None]) -> BatchAccept:
     """Lossless acceptance of every row: greedy rows follow the argmax, sampled rows do recursive
-    rejection sampling. ``logits [B, T, V]``: the processed target rows (root, nodes..., padding)."""
+    rejection sampling. ``logits [B, T, V]``: the processed target rows (root, nodes..., padding).
+    Target distributions are computed only where they are read: at the ``parent_cols`` entries and
+    at each row's last accepted entry."""
     sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
     if not sampled_rows:
         return accept_greedy_batch(batch, logits)
-    probs = batch_target_probs(logits, params)
     u = draw_uniforms(batch, [not p.greedy for p in params], generators)
-    sampled = accept_from_probs_batch(batch, probs, u)
+    at = lambda idx: batch_target_probs(logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])),  # noqa: E731
+                                        params)
+    sampled = _reject_sample(batch, at, u)
     if len(sampled_rows) == batch.batch:
         return sampled
     greedy = accept_greedy_batch(batch, logits)
@@ -109,22 +112,36 @@ def accept_batch(batch: TreeBatch, logits: torch.Tensor, params: Sequence[Sampli
 
 
 def accept_greedy_batch(batch: TreeBatch, logits: torch.Tensor) -> BatchAccept:
-    """Greedy acceptance: a node passes when its token is the target argmax at its parent."""
-    best = logits.argmax(-1)                                                   # [B, T]
-    passed = (batch.node_tokens == best.gather(1, batch.parent_entry)) & batch.valid
+    """Greedy acceptance: a node passes when its token is the target argmax at its parent. The
+    argmax is taken at the ``parent_cols`` entries and at each row's last accepted entry only."""
+    v = logits.shape[-1]
+    pick = lambda idx: logits.gather(1, idx[..., None].expand(-1, -1, v)).argmax(-1)   # noqa: E731
+    best = pick(batch.parent_cols[None].expand(batch.batch, -1))              # [B, P]
+    at_parent = best.gather(1, batch.parent_slot[batch.parent_entry].clamp_min(0)) if best.shape[1] \
+        else torch.zeros_like(batch.node_tokens)
+    passed = (batch.node_tokens == at_parent) & batch.valid
     last, result = _walk(batch, passed)
-    return finish_path(batch, result, best.gather(1, last[:, None])[:, 0], last)
+    return finish_path(batch, result, pick(last[:, None])[:, 0], last)
 
 
 def accept_from_probs_batch(batch: TreeBatch, probs: torch.Tensor, u: torch.Tensor) -> BatchAccept:
     """Recursive rejection sampling given target distributions ``probs [B, T, V]`` (warped) and
     uniforms ``u [B, N + 1]`` (node i's test: column i; the final draw: column N)."""
-    resid = probs.float().clone()
+    return _reject_sample(batch, lambda idx: probs.gather(1, idx[..., None].expand(-1, -1, probs.shape[-1])), u)
+
+
+def _reject_sample(batch: TreeBatch, probs_at, u: torch.Tensor) -> BatchAccept:
+    """Recursive rejection sampling; ``probs_at(idx [B, K]) -> [B, K, V]``: the target
+    distributions at entries ``idx`` of each row. Residuals are kept for the ``parent_cols``
+    entries only (leaves are never reduced), so a step touches P + 1 rows of V per tree, not T."""
+    b = batch.batch
+    cols = batch.parent_cols[None].expand(b, -1)
+    resid = probs_at(cols).float().clone()                                     # [B, P, V]
     passed = torch.zeros_like(batch.valid)
     q = batch.q
-    for rows, par, kid in batch.rank_groups:
+    for rows, slot, kid in batch.rank_groups:
         x = batch.node_tokens[rows, kid]
-        p_rows = resid[rows, par]                                              # [M, V]
+        p_rows = resid[rows, slot]                                             # [M, V]
         px = p_rows.gather(1, x[:, None])[:, 0]
         qx = q[rows, kid].gather(1, x[:, None])[:, 0] if q is not None else torch.ones_like(px)
         passed[rows, kid] = u[rows, kid] * qx < px
@@ -133,10 +150,14 @@ def accept_from_probs_batch(batch: TreeBatch, probs: torch.Tensor, u: torch.Tens
         else:
             r = p_rows.scatter(1, x[:, None], 0.0)
         s = r.sum(-1, keepdim=True)
-        resid[rows, par] = torch.where(s > RESIDUAL_EPS, r / s.clamp_min(RESIDUAL_EPS), p_rows)
+        resid[rows, slot] = torch.where(s > RESIDUAL_EPS, r / s.clamp_min(RESIDUAL_EPS), p_rows)
     last, result = _walk(batch, passed)
-    final_dist = resid.gather(1, last[:, None, None].expand(-1, 1, resid.shape[-1]))[:, 0]
-    return finish_path(batch, result, sample_inverse_cdf(final_dist, u[:, -1]), last)
+    slot = batch.parent_slot[last]                                             # [B], -1: a leaf
+    leaf = probs_at(last[:, None])[:, 0].float()
+    if resid.shape[1]:
+        branched = resid.gather(1, slot.clamp_min(0)[:, None, None].expand(-1, 1, resid.shape[-1]))[:, 0]
+        leaf = torch.where((slot >= 0)[:, None], branched, leaf)
+    return finish_path(batch, result, sample_inverse_cdf(leaf, u[:, -1]), last)
 
 
 # ------------------------------------------------------------------ shared steps
