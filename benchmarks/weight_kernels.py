@@ -1,0 +1,173 @@
+"""The matmul kernels this CPU offers for a decoder's weights, over the real shapes (#20 item 1).
+
+All matmuls of one forward (every layer's fused q/k/v, o, fused gate/up and down, plus the LM
+head) with random weights of the model's shapes, at T = 1 (decoding) and T = 2, 4, 8 (verify
+sizes), 2 threads, one module per matrix (cycled, so no weight stays in cache between uses).
+Kernels timed, in turns within each repetition (fastest repetition reported):
+- ``fp32``: dense ``F.linear`` (MKL / oneDNN sgemm, all threads);
+- ``fp16-packed``: verispec's ``PackedFP16Linear`` (FBGEMM fp16 weights, fp32 activations;
+  single-threaded except matrices of 12 MB and more, split over a second thread);
+- ``int8-dynamic``: ``torch.ao`` dynamic quantisation (FBGEMM ``quantized::linear_dynamic``,
+  per-channel int8 weights, activations quantised per call);
+- ``int8-weight-only``: ``aten._weight_int8pack_mm`` (int8 weights, one scale per row, bf16
+  activations);
+- ``int4-weight-only``: ``aten._weight_int4pack_mm_for_cpu`` (groups of 32, bf16 activations);
+- ``bf16``: dense bf16 weights and activations (oneDNN; native on CPUs with avx512_bf16).
+
+    python benchmarks/weight_kernels.py [--model smollm2-135m|qwen1.5b|both] [--reps 5]
+
+Writes benchmarks/results/weight_kernels.{json,md}. The numbers are kernels only: the quality
+cost of each format is a separate table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+ROWS = (1, 2, 4, 8)
+SHAPES = {   # (out, in) per matrix of one forward
+    "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)],
+    "qwen1.5b": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)] * 28 + [(151936, 1536)],
+}
+
+
+class Fp32(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = w.contiguous()
+
+    def forward(self, x):
+        return F.linear(x, self.w)
+
+
+class Bf16(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = w.bfloat16().contiguous()
+
+    def forward(self, x):
+        return F.linear(x.bfloat16(), self.w).float()
+
+
+def fp16_packed(w):
+    from verispec.models.packed import PackedFP16Linear
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data.copy_(w)
+    return PackedFP16Linear(lin)
+
+
+def int8_dynamic(w):
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data.copy_(w)
+    return quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear: per_channel_dynamic_qconfig})
+
+
+class Int8WeightOnly(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        s = w.abs().amax(1).clamp_min(1e-8) / 127
+        self.w, self.s = torch.round(w / s[:, None]).to(torch.int8), s.bfloat16()
+
+    def forward(self, x):
+        return torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.w, self.s).float()
+
+
+class Int4WeightOnly(torch.nn.Module):
+    def __init__(self, w, group: int = 32):
+        super().__init__()
+        n, k = w.shape
+        g = w.reshape(n, k // group, group)
+        lo, hi = g.amin(-1), g.amax(-1)
+        sc = ((hi - lo) / 15).clamp(min=1e-8)
+        q = torch.round((g - lo[..., None]) / sc[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+        self.sz = torch.stack([sc, lo + 8 * sc], -1).transpose(0, 1).contiguous().bfloat16()
+        self.w, self.group = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), group
+
+    def forward(self, x):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), self.w, self.group, self.sz).float()
+
+
+KERNELS = {"fp32": Fp32, "fp16-packed": fp16_packed, "int8-dynamic": int8_dynamic,
+           "int8-weight-only": Int8WeightOnly, "int4-weight-only": Int4WeightOnly, "bf16": Bf16}
+
+
+def measure(shapes, reps: int) -> dict:
+    """ms of all matmuls of one forward, per kernel and T (fastest of ``reps``, kernels in turns)."""
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k) * 0.02 for n, k in shapes]
+    mods = {}
+    for name, make in KERNELS.items():
+        try:
+            mods[name] = [make(w) for w in weights]
+        except Exception as e:          # a kernel this build or CPU lacks: reported, not fatal
+            mods[name] = f"{type(e).__name__}: {e}"[:200]
+    best = {name: {t: float("inf") for t in ROWS} for name, m in mods.items() if not isinstance(m, str)}
+    xs = {t: {k: torch.randn(t, k) for _, k in shapes} for t in ROWS}
+    with torch.no_grad():
+        for rep in range(reps + 1):
+            for t in ROWS:
+                for name in best:
+                    s = time.perf_counter()
+                    for m, (_, k) in zip(mods[name], shapes):
+                        m(xs[t][k])
+                    ms = (time.perf_counter() - s) * 1e3
+                    if rep:                                  # the first round warms up
+                        best[name][t] = min(best[name][t], ms)
+    return {"ms": best, "unavailable": {n: m for n, m in mods.items() if isinstance(m, str)},
+            "weight_mb": sum(n * k for n, k in shapes) * 4 / 2**20}
+
+
+def report(res: dict, machine: str, reps: int) -> str:
+    lines = ["# Weight kernels on this CPU: all matmuls of one forward", "",
+             f"Machine: {machine}. {torch.get_num_threads()} threads, torch {torch.__version__}; random "
+             f"weights of the real shapes, fastest of {reps} repetitions with the kernels timed in turns. "
+             "Kernels only (no attention, norms or other ops); quality is measured separately.", ""]
+    for model, r in res.items():
+        ms = r["ms"]
+        base = ms["fp16-packed"]
+        lines += [f"## {model} ({r['weight_mb']:.0f} MB of fp32 weights)", "",
+                  "| kernel | " + " | ".join(f"T={t} ms" for t in ROWS) + " | T=1 vs fp16-packed | T=4 / T=1 | T=8 / T=1 |",
+                  "|---|" + "---|" * (len(ROWS) + 3)]
+        for name, row in ms.items():
+            lines.append(f"| {name} | " + " | ".join(f"{row[t]:.1f}" for t in ROWS) +
+                         f" | {base[1] / row[1]:.2f}x | {row[4] / row[1]:.2f} | {row[8] / row[1]:.2f} |")
+        for name, why in r["unavailable"].items():
+            lines.append(f"| {name} | unavailable: {why} | | | | | | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("smollm2-135m", "qwen1.5b", "both"), default="smollm2-135m")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(HERE / "results" / "weight_kernels"))
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    models = list(SHAPES) if a.model == "both" else [a.model]
+    res = {}
+    for m in models:
+        res[m] = measure(SHAPES[m], a.reps)
+        print(m, json.dumps({k: {t: round(v, 1) for t, v in d.items()} for k, d in res[m]["ms"].items()}), flush=True)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    isa = "AVX-512 with bf16/VNNI" if "avx512_bf16" in flags else ("AVX-512" if "avx512f" in flags else "AVX2")
+    machine = f"{cpu} ({isa}), {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end"
+    Path(a.out + ".json").write_text(json.dumps({"machine": machine, "reps": a.reps, "threads": a.threads,
+                                                  "results": res}, indent=1))
+    md = report(res, machine, a.reps)
+    Path(a.out + ".md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
