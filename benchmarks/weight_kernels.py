@@ -9,6 +9,9 @@ Kernels timed, in turns within each repetition (fastest repetition reported):
   single-threaded except matrices of 12 MB and more, split over a second thread);
 - ``int8-dynamic``: ``torch.ao`` dynamic quantisation (FBGEMM ``quantized::linear_dynamic``,
   per-channel int8 weights, activations quantised per call);
+- ``int8-rowwise``: ``torch._int_mm`` (int8 x int8 -> int32, exact) on per-channel int8 weights
+  and activations quantised per row (token) in the forward: a row's result never depends on the
+  other rows, which FBGEMM's dynamic kernel (one activation scale per call) cannot promise;
 - ``int8-weight-only``: ``aten._weight_int8pack_mm`` (int8 weights, one scale per row, bf16
   activations);
 - ``int4-weight-only``: ``aten._weight_int4pack_mm_for_cpu`` (groups of 32, bf16 activations);
@@ -70,6 +73,19 @@ def int8_dynamic(w):
     return quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear: per_channel_dynamic_qconfig})
 
 
+class Int8Rowwise(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        s = w.abs().amax(1).clamp_min(1e-8) / 127
+        self.wt = torch.round(w / s[:, None]).to(torch.int8).t()      # [in, out] view of [out, in]
+        self.sw = s
+
+    def forward(self, x):
+        sx = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 127
+        xq = torch.round(x / sx).to(torch.int8)
+        return torch._int_mm(xq, self.wt).float() * (sx * self.sw)
+
+
 class Int8WeightOnly(torch.nn.Module):
     def __init__(self, w):
         super().__init__()
@@ -96,33 +112,55 @@ class Int4WeightOnly(torch.nn.Module):
 
 
 KERNELS = {"fp32": Fp32, "fp16-packed": fp16_packed, "int8-dynamic": int8_dynamic,
-           "int8-weight-only": Int8WeightOnly, "int4-weight-only": Int4WeightOnly, "bf16": Bf16}
+           "int8-rowwise": Int8Rowwise, "int8-weight-only": Int8WeightOnly, "int4-weight-only": Int4WeightOnly, "bf16": Bf16}
 
 
 def measure(shapes, reps: int) -> dict:
-    """ms of all matmuls of one forward, per kernel and T (fastest of ``reps``, kernels in turns)."""
-    torch.manual_seed(0)
-    weights = [torch.randn(n, k) * 0.02 for n, k in shapes]
-    mods = {}
-    for name, make in KERNELS.items():
-        try:
-            mods[name] = [make(w) for w in weights]
-        except Exception as e:          # a kernel this build or CPU lacks: reported, not fatal
-            mods[name] = f"{type(e).__name__}: {e}"[:200]
-    best = {name: {t: float("inf") for t in ROWS} for name, m in mods.items() if not isinstance(m, str)}
+    """ms of all matmuls of one forward, per kernel and T (fastest of ``reps``). Models whose
+    weights fit several times in memory get every kernel built at once and timed in turns within
+    each repetition; bigger ones (Qwen 1.5B: 5.9 GB in fp32) one kernel at a time, from the same
+    seeded weights, so that no two copies of the model have to fit together."""
+    fp32_bytes = sum(n * k for n, k in shapes) * 4
+    together = fp32_bytes * 4 < 0.5 * _mem_bytes()
+    groups = [list(KERNELS)] if together else [[name] for name in KERNELS]
+    best, unavailable = {}, {}
+    for names in groups:
+        mods = {}
+        for name in names:
+            try:
+                mods[name] = [KERNELS[name](w) for w in _weights(shapes)]
+            except Exception as e:          # a kernel this build or CPU lacks: reported, not fatal
+                unavailable[name] = f"{type(e).__name__}: {e}"[:200]
+        best |= _time(mods, shapes, reps)
+        del mods
+    return {"ms": best, "unavailable": unavailable, "weight_mb": fp32_bytes / 2**20,
+            "timed": "in turns" if together else "one kernel at a time (memory)"}
+
+
+def _weights(shapes):
+    g = torch.Generator().manual_seed(0)
+    for n, k in shapes:
+        yield torch.randn(n, k, generator=g) * 0.02
+
+
+def _mem_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _time(mods: dict, shapes, reps: int) -> dict:
+    best = {name: {t: float("inf") for t in ROWS} for name in mods}
     xs = {t: {k: torch.randn(t, k) for _, k in shapes} for t in ROWS}
     with torch.no_grad():
         for rep in range(reps + 1):
             for t in ROWS:
-                for name in best:
+                for name, ms in mods.items():
                     s = time.perf_counter()
-                    for m, (_, k) in zip(mods[name], shapes):
+                    for m, (_, k) in zip(ms, shapes):
                         m(xs[t][k])
-                    ms = (time.perf_counter() - s) * 1e3
+                    took = (time.perf_counter() - s) * 1e3
                     if rep:                                  # the first round warms up
-                        best[name][t] = min(best[name][t], ms)
-    return {"ms": best, "unavailable": {n: m for n, m in mods.items() if isinstance(m, str)},
-            "weight_mb": sum(n * k for n, k in shapes) * 4 / 2**20}
+                        best[name][t] = min(best[name][t], took)
+    return best
 
 
 def report(res: dict, machine: str, reps: int) -> str:
@@ -133,7 +171,7 @@ def report(res: dict, machine: str, reps: int) -> str:
     for model, r in res.items():
         ms = r["ms"]
         base = ms["fp16-packed"]
-        lines += [f"## {model} ({r['weight_mb']:.0f} MB of fp32 weights)", "",
+        lines += [f"## {model} ({r['weight_mb']:.0f} MB of fp32 weights; kernels timed {r['timed']})", "",
                   "| kernel | " + " | ".join(f"T={t} ms" for t in ROWS) + " | T=1 vs fp16-packed | T=4 / T=1 | T=8 / T=1 |",
                   "|---|" + "---|" * (len(ROWS) + 3)]
         for name, row in ms.items():
@@ -145,16 +183,23 @@ def report(res: dict, machine: str, reps: int) -> str:
     return "\n".join(lines)
 
 
+def _int_keys(r: dict) -> dict:
+    """An earlier run's rows as measured (JSON made the T keys strings)."""
+    return r | {"ms": {k: {int(t): v for t, v in row.items()} for k, row in r["ms"].items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("smollm2-135m", "qwen1.5b", "both"), default="smollm2-135m")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "results" / "weight_kernels"))
+    ap.add_argument("--keep", action="store_true", help="keep the other models' rows of an earlier run")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     models = list(SHAPES) if a.model == "both" else [a.model]
-    res = {}
+    out = Path(a.out + ".json")
+    res = {m: _int_keys(r) for m, r in json.loads(out.read_text())["results"].items()} if a.keep and out.exists() else {}
     for m in models:
         res[m] = measure(SHAPES[m], a.reps)
         print(m, json.dumps({k: {t: round(v, 1) for t, v in d.items()} for k, d in res[m]["ms"].items()}), flush=True)
