@@ -193,35 +193,6 @@ QWEN15_MATS = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)] * 28    
 QWEN05_MATS = [(1152, 896), (896, 896), (9728, 896), (896, 4864)] * 24 + [(65536, 896)]
 
 
-class _Int8(torch.nn.Module):
-    """Weight-only int8 (one scale per output row), bf16 activations: ``_weight_int8pack_mm``."""
-
-    def __init__(self, w: torch.Tensor):
-        super().__init__()
-        s = w.abs().amax(1) / 127
-        self.w, self.s = torch.round(w / s[:, None]).to(torch.int8), s.bfloat16()
-
-    def forward(self, x):
-        return torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.w, self.s).float()
-
-
-class _Int4(torch.nn.Module):
-    """Weight-only int4, groups of 32 with scale and zero: ``_weight_int4pack_mm_for_cpu``."""
-
-    def __init__(self, w: torch.Tensor, group: int = 32):
-        super().__init__()
-        n, k = w.shape
-        g = w.reshape(n, k // group, group)
-        lo, hi = g.amin(-1), g.amax(-1)
-        sc = ((hi - lo) / 15).clamp(min=1e-8)
-        q = torch.round((g - lo[..., None]) / sc[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
-        self.sz = torch.stack([sc, lo + 8 * sc], -1).transpose(0, 1).contiguous().bfloat16()
-        self.w, self.group = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), group
-
-    def forward(self, x):
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), self.w, self.group, self.sz).float()
-
-
 def _matmul_ms(mats: list[tuple[int, int]], make, rows: tuple[int, ...], repeats: int = 3) -> dict[str, float]:
     torch.manual_seed(0)
     mods = [(make(torch.randn(n, k) * 0.02), k) for n, k in mats]
@@ -240,14 +211,9 @@ def _matmul_ms(mats: list[tuple[int, int]], make, rows: tuple[int, ...], repeats
 
 
 def part_k() -> dict:
-    from verispec.models.packed import PackedFP16Linear
-
-    def fp16(w):
-        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-        lin.weight.data.copy_(w)
-        return PackedFP16Linear(lin)
-    res = {"qwen1.5b_fp16": _matmul_ms(QWEN15_MATS, fp16, (1, 2, 5, 8))}
-    for name, make in (("fp16", fp16), ("int8", _Int8), ("int4", _Int4)):
+    from weight_kernels import Int4WeightOnly, Int8WeightOnly, fp16_packed   # benchmarks/ (this script's folder)
+    res = {"qwen1.5b_fp16": _matmul_ms(QWEN15_MATS, fp16_packed, (1, 2, 5, 8))}
+    for name, make in (("fp16", fp16_packed), ("int8", Int8WeightOnly), ("int4", Int4WeightOnly)):
         res[f"qwen0.5b_{name}"] = _matmul_ms(QWEN05_MATS, make, (1, 2))
     print("kernels (ms):", json.dumps({k: {t: round(v, 1) for t, v in d.items()} for k, d in res.items()}), flush=True)
     return res
