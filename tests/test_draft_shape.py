@@ -100,6 +100,27 @@ def test_cost_cache_round_trip(tmp_path, monkeypatch):
     assert "k" in json.loads((tmp_path / "costs.json").read_text())
 
 
+def test_a_shape_that_does_not_pay_is_reported(tmp_path, monkeypatch, caplog):
+    """A weak head on steep costs: the best shape is modelled below 1x; describe() and a
+    warning from choose_shape say so (a strong head on the same costs does not warn)."""
+    import torch.nn as nn
+
+    import verispec.draft_shape as ds
+    steep = StepCosts(verify=((1, 20.0), (2, 30.0), (8, 90.0)), draft_fixed=3.0, level=((1, 3.0),))
+    monkeypatch.setattr(ds, "cached_costs", lambda key, measure: steep)
+    target = type("T", (), {"model": nn.Linear(2, 2), "name": "stub", "weights": "fp16"})()
+    weak = AcceptanceProfile.from_hits([[0.1], [0.1]])
+    with caplog.at_level("WARNING", logger="verispec"):
+        shape = ds.choose_shape(target, tmp_path, "eagle3", ds.ShapeRequest(weak, lambda: None, max_depth=2))
+    assert not shape.pays and shape.speedup < 1.0
+    assert "no shape pays" in shape.describe() and "no shape pays" in caplog.text
+    caplog.clear()
+    strong = AcceptanceProfile.from_hits([[0.9], [0.9]])
+    with caplog.at_level("WARNING", logger="verispec"):
+        shape = ds.choose_shape(target, tmp_path, "eagle3", ds.ShapeRequest(strong, lambda: None, max_depth=2))
+    assert shape.pays and "no shape pays" not in shape.describe() and not caplog.text
+
+
 @pytest.fixture(scope="module")
 def profiled_head(tmp_path_factory):
     folder = tmp_path_factory.mktemp("head") / "eagle3"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import logging
 import os
 import platform
 import time
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+log = logging.getLogger("verispec")
 
 PROFILE_FILE = "acceptance.json"
 VERIFY_POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -180,11 +183,20 @@ class ShapeChoice:
     def topk(self) -> int:
         return 1 + max(c[-1] for c in self.choices)
 
+    @property
+    def pays(self) -> bool:
+        """Whether the best shape is modelled to beat decoding without a drafter."""
+        return self.speedup >= 1.0
+
     def describe(self) -> str:
         shape = "chain" if self.topk == 1 else f"tree (topk {self.topk})"
         nodes = "node" if len(self.choices) == 1 else "nodes"
-        return (f"{shape} of {len(self.choices)} {nodes}, depth {self.depth}: modelled {self.expected_tokens:.2f} "
+        text = (f"{shape} of {len(self.choices)} {nodes}, depth {self.depth}: modelled {self.expected_tokens:.2f} "
                 f"tokens per {self.step_ms:.1f} ms step, {self.speedup:.2f}x over {self.vanilla_ms:.1f} ms decoding")
+        if not self.pays:
+            text += ("; no shape pays with this head on this machine: decoding without speculation is "
+                     "modelled faster")
+        return text
 
     def as_dict(self) -> dict:
         return {"choices": [list(c) for c in self.choices], "num_nodes": len(self.choices), "depth": self.depth,
@@ -354,5 +366,8 @@ def choose_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest,
         fixed, levels = req.measure_draft()
         return StepCosts(verify, fixed, levels, note=f"measured at start-up, {torch.get_num_threads()} threads")
     costs = cached_costs(cost_key(target, head_folder, kind), measure)
-    return best_tree(req.profile, costs, max_nodes=req.max_nodes, max_depth=req.max_depth,
-                     max_width=req.max_width)
+    shape = best_tree(req.profile, costs, max_nodes=req.max_nodes, max_depth=req.max_depth,
+                      max_width=req.max_width)
+    if not shape.pays:
+        log.warning("%s head %s: %s", kind, head_folder, shape.describe())
+    return shape
