@@ -43,11 +43,13 @@ class Ranked(NamedTuple):
     ids: torch.Tensor       # [F, width] (or [width]) int64
 
 
-def rank(logits: torch.Tensor, width: int) -> Ranked:
-    """Top-``width`` log-probs of ``logits [..., V]`` without materialising a log-softmax."""
+def rank(logits: torch.Tensor, width: int, normalise: bool = True) -> Ranked:
+    """Top-``width`` log-probs of ``logits [..., V]`` without materialising a log-softmax.
+    ``normalise=False``: the top logits themselves (same order, no logsumexp over V), for callers
+    that need the ranking only (static trees of a deterministic drafter)."""
     lg = logits.float()
     vals, ids = torch.topk(lg, min(width, lg.shape[-1]), dim=-1)
-    return Ranked(vals - torch.logsumexp(lg, dim=-1, keepdim=True), ids)
+    return Ranked(vals - torch.logsumexp(lg, dim=-1, keepdim=True) if normalise else vals, ids)
 
 
 class RankBy(str, enum.Enum):
@@ -203,7 +205,8 @@ class DynamicTreeBuilder:
 
 class StaticTreeBuilder:
     """A choices tree filled with the ranked children of each expanded node. ``nodes`` is its
-    ``ChoicesFiller`` (tokens, parents; payload: each node's own draft log-prob)."""
+    ``ChoicesFiller`` (tokens, parents; payload: each node's ranking score as given: a draft
+    log-prob, or a raw logit from ``rank(normalise=False)``; only the order matters here)."""
 
     def __init__(self, choices: tuple[tuple[int, ...], ...], root: Ranked, budget: int):
         self.nodes = ChoicesFiller(choices, budget)

@@ -52,6 +52,7 @@ class EagleDrafter:
         self.hidden_layers = tuple(head.hidden_layers)
         self.needs_last_hidden = bool(head.needs_last_hidden)
         self.max_tree_nodes = tree.max_nodes
+        self._scores = not isinstance(tree, StaticTreeConfig)   # dynamic trees rank by log-probs
         self.device = head.embed_tokens.device       # the target's: cache, inputs and trees live there
         self._cap = tree.max_depth + 1        # pending pairs per row in steady state
         self.cache = head.new_cache(max_batch, max_len + self._cap + tree.max_expanded + 2)
@@ -84,7 +85,7 @@ class EagleDrafter:
         if not requests:
             return []
         root_hidden, root_logits = self._catch_up(requests)
-        ranked = rank(root_logits, self.tree.width)
+        ranked = rank(root_logits, self.tree.width, self._scores)
         builders: list[TreeBuilder | None] = []
         for i, r in enumerate(requests):
             budget = self.tree.max_nodes if r.max_nodes is None else min(r.max_nodes, self.tree.max_nodes)
@@ -126,15 +127,17 @@ class EagleDrafter:
         b, dev = len(rows), self.device
         rows_t = torch.tensor(rows, device=dev)
         tokens = torch.tensor([toks + [0] * (t - len(toks)) for toks, _ in feeds], dtype=torch.long, device=dev)
-        hidden = torch.zeros(b, t, feeds[0][1].shape[-1], dtype=feeds[0][1].dtype, device=dev)
-        for i, (toks, feats) in enumerate(feeds):
-            hidden[i, :len(toks)] = feats
-        start = self.cache.lengths[rows_t]
+        if b == 1:
+            hidden = feeds[0][1][None]
+        else:
+            hidden = torch.zeros(b, t, feeds[0][1].shape[-1], dtype=feeds[0][1].dtype, device=dev)
+            for i, (toks, feats) in enumerate(feeds):
+                hidden[i, :len(toks)] = feats
+        start = torch.tensor(self.cache.lengths_of(rows), dtype=torch.long, device=dev)
         positions = start[:, None] + torch.arange(t, device=dev)
         last = torch.tensor([[len(toks) - 1] for toks, _ in feeds], device=dev)
         out = self.head(tokens, positions, hidden, self.cache, rows=rows_t, logits_at=last)
-        for i, (toks, _) in enumerate(feeds):
-            self.cache.advance(rows_t[i:i + 1], len(toks))
+        self.cache.advance(rows, [len(toks) for toks, _ in feeds])
         state = torch.gather(out.hidden, 1, last[..., None].expand(-1, -1, out.hidden.shape[-1]))[:, 0]
         return state, out.logits[:, 0]
 
@@ -154,7 +157,7 @@ class EagleDrafter:
             scratch = len(scratches[0])
             tokens, positions, hidden, local = self._level_inputs(builders, fronts, scratches, lengths, t)
             out = self.head(tokens, positions, hidden, self.cache, rows=rows, scratch=scratch, local_mask=local)
-            ranked = rank(out.logits, self.tree.width)
+            ranked = rank(out.logits, self.tree.width, self._scores)
             for i, (b, f) in enumerate(zip(builders, fronts)):
                 for j, node in enumerate(f):
                     scratches[i].state[node] = out.hidden[i, j]

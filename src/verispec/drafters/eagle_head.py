@@ -134,9 +134,10 @@ def attention_plan(cache: KVCache | None, rows: torch.Tensor | None, t: int, scr
     if cache is None:
         return None, t, local_mask[:, None, :, scratch:]
     cache.check_room(rows, scratch + t)
-    lengths = cache.lengths[rows]
+    host = cache.lengths_of(rows)                     # the cache's host mirror: no device read
+    lengths = torch.tensor(host, dtype=torch.long, device=dev)
     slots = lengths[:, None] + scratch + torch.arange(t, device=dev)
-    used = int(lengths.max()) + scratch + t
+    used = max(host) + scratch + t
     rel = torch.arange(used, device=dev)[None, None, :] - lengths[:, None, None]            # [B,1,used]
     width = scratch + t
     inside = (rel >= 0) & (rel < width)

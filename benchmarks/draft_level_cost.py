@@ -1,0 +1,83 @@
+"""The EAGLE-3 drafter's own step cost, before and after a change (#22 item 6).
+
+``draft_costs`` (what the shape chooser measures: accept one token, then propose) of the shipped
+SmolLM2-135M EAGLE-3 head on the fp16-packed target, 2 threads: the fixed cost (catch-up, which
+also ranks depth 1) and the cost of one more level over w = 1, 2, 4, 8 nodes. One worker process
+per source tree (``--src DIR``, put first on ``PYTHONPATH``), interleaved round by round; medians
+over rounds of each round's fastest-of-``--reps`` timing.
+
+    python benchmarks/draft_level_cost.py --src /path/before/src --label before --src src --label after
+
+Writes benchmarks/results/draft_level_cost.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def worker(reps: int) -> dict:
+    import torch
+
+    from verispec.drafters.eagle import draft_costs
+    from verispec.drafters.eagle_head import HeadKind
+    from verispec.formats import load_eagle_head
+    from verispec.models.loading import load_model
+    torch.set_num_threads(2)
+    target = load_model("smollm2-135m", weights="fp16")
+    head = load_eagle_head(str(ROOT / "checkpoints" / "smollm2-135m-eagle3"), target.model, HeadKind.EAGLE3)
+    head.pack_fp16_(target.model.lm_head)
+    fixed, levels = draft_costs(head, reps=reps)
+    return {"fixed_ms": fixed, **{f"level_w{w}_ms": ms for w, ms in levels}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--src", action="append", required=True)
+    ap.add_argument("--label", action="append", required=True)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(HERE / "results" / "draft_level_cost"))
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(worker(a.reps)))
+        return
+    runs: dict[str, list[dict]] = {lab: [] for lab in a.label}
+    for r in range(a.rounds):
+        for src, lab in zip(a.src, a.label):
+            env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()), VERISPEC_COST_CACHE=os.devnull)
+            out = subprocess.run([sys.executable, __file__, "--worker", "--src", src, "--label", lab,
+                                  "--reps", str(a.reps)], env=env, capture_output=True, text=True, check=True)
+            runs[lab].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1} {lab}: {runs[lab][-1]}", flush=True)
+    keys = list(runs[a.label[0]][0])
+    med = {lab: {k: statistics.median(x[k] for x in runs[lab]) for k in keys} for lab in a.label}
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    machine = f"{cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end"
+    Path(a.out + ".json").write_text(json.dumps({"machine": machine, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                                 "rounds": a.rounds, "reps": a.reps, "runs": runs, "median": med}, indent=1))
+    lines = ["# EAGLE-3 drafter step cost: before / after", "",
+             f"Machine: {machine}. SmolLM2-135M fp16-packed with the shipped EAGLE-3 head, 2 threads, batch 1, "
+             f"256-token context; `draft_costs` (accept one token + propose), fastest of {a.reps} per round, "
+             f"median over {a.rounds} interleaved rounds.", "",
+             "| cost | " + " | ".join(f"{lab} ms" for lab in a.label) + " | change |", "|---|" + "---|" * (len(a.label) + 1)]
+    for k in keys:
+        vals = [med[lab][k] for lab in a.label]
+        lines.append(f"| {k.removesuffix('_ms').replace('_', ' ')} | " + " | ".join(f"{v:.2f}" for v in vals) +
+                     f" | {vals[-1] / vals[0] - 1:+.0%} |")
+    Path(a.out + ".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
