@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -41,25 +39,15 @@ def worker(reps: int) -> dict:
 
 
 def main() -> None:
+    from interleave import add_arguments, run_rounds          # benchmarks/ (this script's folder)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--src", action="append", required=True)
-    ap.add_argument("--label", action="append", required=True)
-    ap.add_argument("--rounds", type=int, default=5)
+    add_arguments(ap, rounds=5, out=str(HERE / "results" / "draft_level_cost"))
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=str(HERE / "results" / "draft_level_cost"))
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a.reps)))
         return
-    runs: dict[str, list[dict]] = {lab: [] for lab in a.label}
-    for r in range(a.rounds):
-        for src, lab in zip(a.src, a.label):
-            env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()), VERISPEC_COST_CACHE=os.devnull)
-            out = subprocess.run([sys.executable, __file__, "--worker", "--src", src, "--label", lab,
-                                  "--reps", str(a.reps)], env=env, capture_output=True, text=True, check=True)
-            runs[lab].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1} {lab}: {runs[lab][-1]}", flush=True)
+    runs = run_rounds(__file__, a.src, a.label, a.rounds, ["--src", "-", "--label", "-", "--reps", str(a.reps)])
     keys = list(runs[a.label[0]][0])
     med = {lab: {k: statistics.median(x[k] for x in runs[lab]) for k in keys} for lab in a.label}
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")

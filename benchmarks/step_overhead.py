@@ -17,8 +17,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -99,26 +97,17 @@ def _wrap(engine) -> _Timer:
 
 
 def main() -> None:
+    from interleave import add_arguments, run_rounds          # benchmarks/ (this script's folder)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--src", action="append", help="a verispec src folder (repeat)")
-    ap.add_argument("--label", action="append", help="a name for each --src")
-    ap.add_argument("--rounds", type=int, default=3)
+    add_arguments(ap, rounds=3, out=str(HERE / "results" / "step_overhead"))
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=str(HERE / "results" / "step_overhead"))
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a.max_tokens, a.prompts)))
         return
-    runs: dict[str, list[dict]] = {lab: [] for lab in a.label}
-    for r in range(a.rounds):
-        for src, lab in zip(a.src, a.label):
-            env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()), OMP_WAIT_POLICY="PASSIVE")
-            res = subprocess.run([sys.executable, __file__, "--worker", "--max-tokens", str(a.max_tokens),
-                                  "--prompts", str(a.prompts)], env=env, capture_output=True, text=True, check=True)
-            runs[lab].append(json.loads(res.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1} {lab}: done", flush=True)
+    runs = run_rounds(__file__, a.src, a.label, a.rounds, ["--max-tokens", str(a.max_tokens), "--prompts", str(a.prompts)],
+                      env={"OMP_WAIT_POLICY": "PASSIVE"})
     _report(runs, a)
 
 
