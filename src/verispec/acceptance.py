@@ -27,7 +27,7 @@ from .params import SamplingParams
 from .tree import DraftTree
 from .tree_batch import TreeBatch
 from .verify import (AcceptResult, BatchAccept, accept_batch, accept_greedy_batch, batch_target_probs,
-                     draw_uniforms, finish_path, path_from_mask, sample_inverse_cdf, select_rows)
+                     draw_uniforms, finish_path, path_from_mask, rows_at, sample_inverse_cdf, select_rows)
 
 BatchRule = Callable[[TreeBatch, torch.Tensor, Sequence[SamplingParams], Sequence[torch.Generator | None]],
                      BatchAccept]
@@ -101,7 +101,7 @@ class LossyTypicalAcceptance(_OneTree):
         probs = batch_target_probs(logits, params)                               # [B, T, V]
         last, walked = path_from_mask(batch, self._typical_path(batch, probs))
         u = draw_uniforms(batch, [not p.greedy for p in params], generators)
-        final_dist = probs.gather(1, last[:, None, None].expand(-1, 1, probs.shape[-1]))[:, 0]
+        final_dist = rows_at(probs, last[:, None])[:, 0]
         typical = finish_path(batch, walked, sample_inverse_cdf(final_dist, u[:, -1]), last)
         if len(sampled_rows) == batch.batch:
             return typical

@@ -100,9 +100,7 @@ def accept_batch(batch: TreeBatch, logits: torch.Tensor, params: Sequence[Sampli
     if not sampled_rows:
         return accept_greedy_batch(batch, logits)
     u = draw_uniforms(batch, [not p.greedy for p in params], generators)
-    at = lambda idx: batch_target_probs(logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])),  # noqa: E731
-                                        params)
-    sampled = _reject_sample(batch, at, u)
+    sampled = _reject_sample(batch, lambda idx: batch_target_probs(rows_at(logits, idx), params), u)
     if len(sampled_rows) == batch.batch:
         return sampled
     greedy = accept_greedy_batch(batch, logits)
@@ -114,29 +112,26 @@ def accept_batch(batch: TreeBatch, logits: torch.Tensor, params: Sequence[Sampli
 def accept_greedy_batch(batch: TreeBatch, logits: torch.Tensor) -> BatchAccept:
     """Greedy acceptance: a node passes when its token is the target argmax at its parent. The
     argmax is taken at the ``parent_cols`` entries and at each row's last accepted entry only."""
-    v = logits.shape[-1]
-    pick = lambda idx: logits.gather(1, idx[..., None].expand(-1, -1, v)).argmax(-1)   # noqa: E731
-    best = pick(batch.parent_cols[None].expand(batch.batch, -1))              # [B, P]
+    best = rows_at(logits, batch.parent_cols[None].expand(batch.batch, -1)).argmax(-1)   # [B, P]
     at_parent = best.gather(1, batch.parent_slot[batch.parent_entry].clamp_min(0)) if best.shape[1] \
         else torch.zeros_like(batch.node_tokens)
     passed = (batch.node_tokens == at_parent) & batch.valid
     last, result = _walk(batch, passed)
-    return finish_path(batch, result, pick(last[:, None])[:, 0], last)
+    return finish_path(batch, result, rows_at(logits, last[:, None])[:, 0].argmax(-1), last)
 
 
 def accept_from_probs_batch(batch: TreeBatch, probs: torch.Tensor, u: torch.Tensor) -> BatchAccept:
     """Recursive rejection sampling given target distributions ``probs [B, T, V]`` (warped) and
     uniforms ``u [B, N + 1]`` (node i's test: column i; the final draw: column N)."""
-    return _reject_sample(batch, lambda idx: probs.gather(1, idx[..., None].expand(-1, -1, probs.shape[-1])), u)
+    return _reject_sample(batch, lambda idx: rows_at(probs, idx), u)
 
 
 def _reject_sample(batch: TreeBatch, probs_at, u: torch.Tensor) -> BatchAccept:
     """Recursive rejection sampling; ``probs_at(idx [B, K]) -> [B, K, V]``: the target
-    distributions at entries ``idx`` of each row. Residuals are kept for the ``parent_cols``
-    entries only (leaves are never reduced), so a step touches P + 1 rows of V per tree, not T."""
-    b = batch.batch
-    cols = batch.parent_cols[None].expand(b, -1)
-    resid = probs_at(cols).float().clone()                                     # [B, P, V]
+    distributions at entries ``idx`` of each row, as a new tensor (it is reduced in place).
+    Residuals are kept for the ``parent_cols`` entries only (leaves are never reduced), so a step
+    touches P + 1 rows of V per tree, not T."""
+    resid = probs_at(batch.parent_cols[None].expand(batch.batch, -1)).float()   # [B, P, V]
     passed = torch.zeros_like(batch.valid)
     q = batch.q
     for rows, slot, kid in batch.rank_groups:
@@ -155,12 +150,17 @@ def _reject_sample(batch: TreeBatch, probs_at, u: torch.Tensor) -> BatchAccept:
     slot = batch.parent_slot[last]                                             # [B], -1: a leaf
     leaf = probs_at(last[:, None])[:, 0].float()
     if resid.shape[1]:
-        branched = resid.gather(1, slot.clamp_min(0)[:, None, None].expand(-1, 1, resid.shape[-1]))[:, 0]
+        branched = rows_at(resid, slot.clamp_min(0)[:, None])[:, 0]
         leaf = torch.where((slot >= 0)[:, None], branched, leaf)
     return finish_path(batch, result, sample_inverse_cdf(leaf, u[:, -1]), last)
 
 
 # ------------------------------------------------------------------ shared steps
+def rows_at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x [B, T, V]`` at entries ``idx [B, K]`` of each row: ``[B, K, V]``, a new tensor."""
+    return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
+
+
 def _walk(batch: TreeBatch, passed: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """From per-node test results to the accepted path: a node is chosen when it passed and no
     earlier sibling did; the path is the chosen nodes all of whose ancestors are chosen."""
