@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -47,11 +46,11 @@ def main() -> None:
     if a.worker:
         print(json.dumps(worker(a.reps)))
         return
-    runs = run_rounds(__file__, a.src, a.label, a.rounds, ["--src", "-", "--label", "-", "--reps", str(a.reps)])
+    runs = run_rounds(__file__, a.src, a.label, a.rounds, ["--reps", str(a.reps)])
     keys = list(runs[a.label[0]][0])
     med = {lab: {k: statistics.median(x[k] for x in runs[lab]) for k in keys} for lab in a.label}
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    machine = f"{cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end"
+    from machine import machine_line          # benchmarks/ (this script's folder)
+    machine = machine_line()
     Path(a.out + ".json").write_text(json.dumps({"machine": machine, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                                  "rounds": a.rounds, "reps": a.reps, "runs": runs, "median": med}, indent=1))
     lines = ["# EAGLE-3 drafter step cost: before / after", "",

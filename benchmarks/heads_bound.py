@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
@@ -138,12 +136,8 @@ def main() -> None:
     a = ap.parse_args()
     res = measure(a.reps)
     res |= {"reps": a.reps, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    machine = f"{cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end"
+    from machine import machine_line          # benchmarks/ (this script's folder)
+    machine = machine_line()
     res["machine"] = machine
     Path(a.out + ".json").write_text(json.dumps(res, indent=1))
     md = report(res, machine)

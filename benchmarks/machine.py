@@ -38,3 +38,18 @@ def write_result(results: dict, out: str, write_md) -> None:
         json.dump(results, f, indent=1)
     os.replace(out + ".json.tmp", out + ".json")
     write_md(results, out + ".md")
+
+
+def machine_line(with_isa: bool = False) -> str:
+    """One line for a result's header: CPU model (with its vector ISA if asked), cores and the
+    load average when the run ends."""
+    from verispec.bench.runner import cpu_model
+    cpu = cpu_model()
+    if with_isa:
+        try:
+            flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+        except OSError:
+            flags = ""
+        isa = "AVX-512 with bf16/VNNI" if "avx512_bf16" in flags else ("AVX-512" if "avx512f" in flags else "AVX2")
+        cpu = f"{cpu} ({isa})"
+    return f"{cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end"

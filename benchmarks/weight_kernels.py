@@ -203,10 +203,8 @@ def main() -> None:
     for m in models:
         res[m] = measure(SHAPES[m], a.reps)
         print(m, json.dumps({k: {t: round(v, 1) for t, v in d.items()} for k, d in res[m]["ms"].items()}), flush=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
-    isa = "AVX-512 with bf16/VNNI" if "avx512_bf16" in flags else ("AVX-512" if "avx512f" in flags else "AVX2")
-    machine = f"{cpu} ({isa}), {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end"
+    from machine import machine_line          # benchmarks/ (this script's folder)
+    machine = machine_line(with_isa=True)
     Path(a.out + ".json").write_text(json.dumps({"machine": machine, "reps": a.reps, "threads": a.threads,
                                                   "results": res}, indent=1))
     md = report(res, machine, a.reps)
