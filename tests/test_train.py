@@ -195,9 +195,10 @@ def test_ddp_two_processes_match_one(tmp_path, method):
     losses = {}
     for n in (1, 2):
         out = tmp_path / f"n{n}"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-                        "--master_port", str(_free_port()), str(HERE / "ddp_train_worker.py"), str(out), method],
-                       check=True, env=env, capture_output=True, timeout=200)
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+                              "--master_port", str(_free_port()), str(HERE / "ddp_train_worker.py"), str(out), method],
+                             env=env, capture_output=True, text=True, timeout=200)
+        assert run.returncode == 0, f"torchrun with {n} process(es) exited {run.returncode}:\n{run.stderr[-4000:]}"
         logs = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
         losses[n] = [r["loss"] for r in logs if "eval" not in r] + [logs[-1]["eval"]["loss"]]
     assert len(losses[1]) == len(losses[2]) == 5
