@@ -80,3 +80,15 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 def add_device_argument(parser, default: str = "cpu") -> None:
     """``--device`` on an argparse parser (the same flag on every command)."""
     parser.add_argument("--device", type=_device_arg, default=default, help=f"{DEVICE_HELP} (default: %(default)s)")
+
+
+WEIGHTS_HELP = ("matmul weights on the CPU: dense (as loaded), fp16 (FBGEMM fp16-packed, fp32 activations: "
+                "faster, not bit-equal to fp32) or int4 (int4 weight-only decoder layers with bf16 activations, "
+                "fp16-packed LM head: fewest bytes; a GGUF's 4-bit blocks are kept as they are)")
+
+
+def add_weights_argument(parser, default: str | None = "dense", extra: str = "") -> None:
+    """The ``--weights`` option of every command that loads a target (``models.packed.WeightFormat``)."""
+    from .models.packed import WeightFormat
+    parser.add_argument("--weights", choices=[w.value for w in WeightFormat], default=default,
+                        help=WEIGHTS_HELP + (extra or "; default %(default)s"))

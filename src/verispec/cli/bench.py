@@ -12,7 +12,7 @@ import json
 import sys
 
 from ..bench import BenchError
-from ..device import add_device_argument
+from ..device import add_device_argument, add_weights_argument
 from ..bench.runner import DEFAULT_METHODS, METHOD_NAMES, PRESETS, BenchConfig
 
 DEFAULT_OUT = "bench_results"
@@ -114,7 +114,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs of every batch per method (default 1)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
-    p.add_argument("--weights", choices=("dense", "fp16"), default="dense", help="matmul weights: dense (as loaded) or fp16 (FBGEMM fp16-packed, fp32 activations: faster on a CPU, not bit-equal to fp32; default %(default)s)")
+    add_weights_argument(p)
     add_device_argument(p)
     p.add_argument("--threads", type=int, help="torch threads for every method (default: torch's)")
     p.add_argument("--hf-weights", choices=("loader", "shared"), default="loader",

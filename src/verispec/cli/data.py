@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from ..device import add_device_argument, device_type
+from ..device import add_device_argument, add_weights_argument, device_type
 
 
 def _load_input(path: str | None, limit: int | None):
@@ -106,10 +106,8 @@ def add_parser(sub) -> None:
     r.add_argument("--max-turns", type=int, default=1)
     r.add_argument("--max-prompt-tokens", type=int, default=512)
     r.add_argument("--batch-size", type=int, default=64, help="rows decoded together (continuous batching)")
-    r.add_argument("--weights", choices=["dense", "fp16"], default=None,
-                   help="target matmul weights: fp16 (FBGEMM fp16-packed, faster on a CPU; the answers are "
-                        "those of the fp16-rounded target) or dense (as loaded). Default: fp16 for a float32 "
-                        "target on the CPU, dense otherwise (fp16 packing is CPU only)")
+    add_weights_argument(r, default=None, extra="; the answers are those of the target with these weights. "
+                         "Default: fp16 for a float32 target on the CPU, dense otherwise (packing is CPU only)")
     r.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16 (the fast path on CUDA) "
                                                      "or float16 (default: %(default)s)")
     add_device_argument(r)

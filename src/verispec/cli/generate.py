@@ -5,13 +5,13 @@ import argparse
 import json
 import sys
 
-from ..device import add_device_argument
+from ..device import add_device_argument, add_weights_argument
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known name, .gguf file or HF folder (default: %(default)s)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (bfloat16 on CUDA; default: %(default)s)")
-    p.add_argument("--weights", choices=("dense", "fp16"), default="dense", help="matmul weights: dense (as loaded) or fp16 (FBGEMM fp16-packed, fp32 activations: faster on a CPU, not bit-equal to fp32; default %(default)s)")
+    add_weights_argument(p)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")

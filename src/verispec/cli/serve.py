@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from ..device import add_device_argument
+from ..device import add_device_argument, add_weights_argument
 
 POLICY_KEY = "num_speculative_tokens_per_batch_size"
 
@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-block-size", type=_positive_int, default=16, metavar="TOKENS",
                    help="tokens per prefix-cache block; only whole blocks are reused (default: 16)")
     p.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16")
-    p.add_argument("--weights", choices=("dense", "fp16"), default="dense", help="matmul weights: dense (as loaded) or fp16 (FBGEMM fp16-packed, fp32 activations: faster on a CPU, not bit-equal to fp32; default %(default)s)")
+    add_weights_argument(p)
     add_device_argument(p)
     p.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
     p.add_argument("--shutdown-grace", type=_positive_float, default=10.0, metavar="SECONDS",

@@ -67,16 +67,23 @@ def build_transformer(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: t
 
 def check_weights(weights: str | WeightFormat, dtype: str | torch.dtype,
                   device: str | torch.device | None = "cpu") -> WeightFormat:
-    """The weight format, refused for a dtype or device it cannot serve: fp16 packing (FBGEMM)
-    takes fp32 models on the CPU. Checks the device's kind only (no GPU needed to be told)."""
+    """The weight format, refused for a dtype or device it cannot serve: fp16 packing (FBGEMM) and
+    int4 packing take fp32 models on the CPU. Checks the device's kind only (no GPU needed to be
+    told)."""
     weights = WeightFormat.parse(weights)
-    if weights is WeightFormat.FP16:
-        kind = device_type(device)
-        if kind != "cpu":
-            raise ValueError(f"weights='fp16' (FBGEMM fp16 packing) runs on the CPU only, not on {kind!r}; "
-                             "on CUDA use dtype bfloat16 or float16 with weights='dense' (the fast path there)")
-        if parse_dtype(dtype) != torch.float32:
-            raise ValueError("weights='fp16' packs fp32 models (activations stay fp32); use dtype float32")
+    if weights is WeightFormat.DENSE:
+        return weights
+    what = {WeightFormat.FP16: "FBGEMM fp16 packing", WeightFormat.INT4: "int4 weight-only packing"}[weights]
+    kind = device_type(device)
+    if kind != "cpu":
+        raise ValueError(f"weights={weights.value!r} ({what}) runs on the CPU only, not on {kind!r}; "
+                         "on CUDA use dtype bfloat16 or float16 with weights='dense' (the fast path there)")
+    if parse_dtype(dtype) != torch.float32:
+        raise ValueError(f"weights={weights.value!r} packs fp32 models (activations stay fp32); use dtype float32")
+    if weights is WeightFormat.INT4:
+        from .int4 import int4_available
+        if not int4_available():
+            raise ValueError("weights='int4' needs PyTorch's CPU int4pack kernel, which this build lacks")
     return weights
 
 
@@ -120,7 +127,8 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32",
                with_tokenizer: bool = True, weights: str | WeightFormat = "dense",
                device: str | torch.device | None = "cpu") -> LoadedModel:
     """Resolve ``model`` (known name, GGUF file or HF folder) and load weights and tokenizer.
-    ``weights="fp16"``: fp16-packed matmul weights for CPU inference (``packed``; fp32 only).
+    ``weights="fp16"``: fp16-packed matmul weights for CPU inference (``packed``; fp32 only);
+    ``weights="int4"``: int4 weight-only decoder layers, fp16-packed LM head (``int4``).
     ``device``: where the weights live (``device.resolve_device``: cpu, auto, cuda, cuda:N...)."""
     weights = check_weights(weights, dtype, device)
     dev = resolve_device(device)
@@ -132,6 +140,8 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32",
     net = build_transformer(cfg, state, parse_dtype(dtype), dev)
     if weights is WeightFormat.FP16:
         net.pack_fp16_()
+    elif weights is WeightFormat.INT4:
+        net.pack_int4_()
     tok = load_tokenizer(src.path, src.format) if with_tokenizer else None
     return LoadedModel(name=src.name, path=src.path, format=src.format, config=cfg, model=net, tokenizer=tok,
                        weights=weights)

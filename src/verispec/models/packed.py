@@ -36,8 +36,11 @@ from torch import nn
 
 
 class WeightFormat(str, enum.Enum):
+    """How the CPU forward's matmul weights are held: as loaded, fp16-packed (this module), or
+    int4 weight-only for the decoder layers with an fp16-packed LM head (``int4``)."""
     DENSE = "dense"
     FP16 = "fp16"
+    INT4 = "int4"
 
     @classmethod
     def parse(cls, value: "str | WeightFormat") -> "WeightFormat":
@@ -140,16 +143,22 @@ def pack_fp16_(model: nn.Module, names: tuple[str, ...]) -> int:
     ``PackedFP16Linear``; returns how many were packed. Raises where FBGEMM is unavailable."""
     if not fp16_packing_available():
         raise RuntimeError("fp16 weight packing needs a PyTorch CPU build with FBGEMM and AVX2")
+    return replace_linears_(model, names, PackedFP16Linear)
+
+
+def replace_linears_(model: nn.Module, names: tuple[str, ...], kind: type, make=None) -> int:
+    """Replace the ``nn.Linear`` at each dotted name by ``make(linear)`` (default ``kind(linear)``),
+    skipping those already of type ``kind``; returns how many were replaced."""
     count = 0
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         lin = getattr(parent, attr)
-        if isinstance(lin, PackedFP16Linear):
+        if isinstance(lin, kind):
             continue
         if not isinstance(lin, nn.Linear):
             raise TypeError(f"{name} is a {type(lin).__name__}, not an nn.Linear")
-        setattr(parent, attr, PackedFP16Linear(lin))
+        setattr(parent, attr, (make or kind)(lin))
         count += 1
     return count
 
@@ -164,8 +173,9 @@ def pack_linears_fp16_(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
 
 def follows_packed_target(target, module: nn.Module) -> bool:
     """Whether a draft ``module`` (EAGLE / Medusa head) drafting for the loaded ``target`` should
-    be packed too: the target is fp16-packed and the module computes in fp32."""
-    return target.weights == WeightFormat.FP16 and next(module.parameters()).dtype == torch.float32
+    be fp16-packed: the target's weights are packed (fp16, or int4 with its LM head fp16-packed)
+    and the module computes in fp32."""
+    return target.weights != WeightFormat.DENSE and next(module.parameters()).dtype == torch.float32
 
 
 def shared_reader(weight: torch.Tensor, owner: nn.Module) -> PackedFP16Linear:

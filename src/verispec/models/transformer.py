@@ -312,7 +312,21 @@ class Transformer(nn.Module):
         from .packed import pack_fp16_
         if any(layer.attn.fused is None or layer.mlp.fused is None for layer in self.layers):
             self.fuse_()
-        names = [f"layers.{i}.{m}" for i in range(len(self.layers))
-                 for m in ("attn.fused", "attn.wo", "mlp.fused", "mlp.w_down")]
-        pack_fp16_(self, tuple(names) + ("lm_head",))
+        pack_fp16_(self, self._layer_matmuls() + ("lm_head",))
         return self
+
+    def pack_int4_(self) -> "Transformer":
+        """int4 weight-only matmuls in every decoder layer (``int4``), the LM head fp16-packed:
+        its rows are what drafters read through, and 4 bits there cost the most quality."""
+        from .int4 import pack_int4_
+        from .packed import pack_fp16_
+        if any(layer.attn.fused is None or layer.mlp.fused is None for layer in self.layers):
+            self.fuse_()
+        pack_int4_(self, self._layer_matmuls())
+        pack_fp16_(self, ("lm_head",))
+        return self
+
+    def _layer_matmuls(self) -> tuple[str, ...]:
+        """Dotted names of the fused forward's matmuls in the decoder layers."""
+        return tuple(f"layers.{i}.{m}" for i in range(len(self.layers))
+                     for m in ("attn.fused", "attn.wo", "mlp.fused", "mlp.w_down"))
