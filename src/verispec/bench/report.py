@@ -48,6 +48,7 @@ class Summary:
     acceptance_rate_per_pos: list[float] = field(default_factory=list)
     speedup_vs_vanilla: float | None = None
     speedup_vs_hf: float | None = None
+    speedup_vs_llamacpp: float | None = None
     draft_frac: float | None = None
     verify_frac: float | None = None
     other_frac: float | None = None
@@ -107,7 +108,8 @@ def summarize(result: BenchResult) -> list[Summary]:
                 s.ties += f.status == "tie"
                 s.mismatches += f.status == "mismatch"
     for (method, cat, b), s in out.items():
-        for base, attr in (("vanilla", "speedup_vs_vanilla"), ("hf", "speedup_vs_hf")):
+        for base, attr in (("vanilla", "speedup_vs_vanilla"), ("hf", "speedup_vs_hf"),
+                           ("llamacpp", "speedup_vs_llamacpp")):
             ref = out.get((base, cat, b))
             if ref is not None and ref.tokens_per_s > 0:
                 setattr(s, attr, s.tokens_per_s / ref.tokens_per_s)
@@ -184,6 +186,7 @@ def headline(result: BenchResult, summaries: list[Summary]) -> str:
 
 def _detail_table(result: BenchResult, summaries: list[Summary], batch: int) -> list[str]:
     idx, rows = _index(summaries), []
+    llama = any(m.name == "llamacpp" for m in result.available())
     for m in result.available():
         s = idx.get((m.name, OVERALL, batch))
         if s is None:
@@ -193,12 +196,13 @@ def _detail_table(result: BenchResult, summaries: list[Summary], batch: int) -> 
             f"{_pct(s.draft_frac)} / {_pct(s.verify_frac)} / {_pct(s.other_frac)}"
         same = "–" if s.compared == 0 else \
             f"{_pct(s.identical_share)} ({s.identical}+{s.ties} ties of {s.compared}; {s.mismatches} mismatches)"
-        rows.append([m.name, _f(s.tokens_per_s, 1), _x(s.speedup_vs_vanilla), _x(s.speedup_vs_hf),
-                     _f(s.mean_acceptance_length), _f(s.tokens_per_step), acc, split,
-                     _f(s.peak_rss_mib, 0), _f(s.rss_increase_mib, 0), same])
-    return _table(["Method", "tok/s", "vs vanilla", "vs hf", "τ (bonus incl.)", "tokens/step",
-                   "acceptance per position", "draft / verify / other", "peak RSS MiB",
-                   "RSS increase MiB", "identical to vanilla"], rows)
+        rows.append([m.name, _f(s.tokens_per_s, 1), _x(s.speedup_vs_vanilla), _x(s.speedup_vs_hf)]
+                    + ([_x(s.speedup_vs_llamacpp)] if llama else [])
+                    + [_f(s.mean_acceptance_length), _f(s.tokens_per_step), acc, split,
+                       _f(s.peak_rss_mib, 0), _f(s.rss_increase_mib, 0), same])
+    return _table(["Method", "tok/s", "vs vanilla", "vs hf"] + (["vs llama.cpp"] if llama else [])
+                  + ["τ (bonus incl.)", "tokens/step", "acceptance per position", "draft / verify / other",
+                     "peak RSS MiB", "RSS increase MiB", "identical to vanilla"], rows)
 
 
 def _batch_table(result: BenchResult, summaries: list[Summary]) -> list[str]:

@@ -1,0 +1,161 @@
+"""The quality cost of each CPU weights option against the fp32 model (#20): perplexity on
+held-out ShareGPT text and greedy agreement over 128 tokens on Spec-Bench.
+
+For each option (``dense`` fp32 is the reference, then e.g. ``fp16`` and ``int4``), one model at a
+time in this process:
+- **Perplexity**: the held-out split of the ShareGPT wheel (the heads' split: ``split_ids`` with
+  fraction 0.03, seed 0; never trained on), first ``--conversations`` conversations, chat template,
+  cut at ``--max-length`` tokens, loss on assistant tokens only. The text is fed through the KV
+  cache in chunks of ``--chunk`` tokens (below ``DENSE_MIN_ROWS``), so the decode/verify kernels
+  are what is measured, not the prefill path. Also the share of positions whose argmax equals the
+  fp32 model's (teacher forced).
+- **Greedy agreement**: Spec-Bench first turns, ``--per-category`` per category, chat template,
+  ``--max-tokens`` new tokens (EOS ends a row): the share of prompts whose output equals the fp32
+  output, and the mean length of the common prefix as a share of the fp32 output.
+
+    python benchmarks/weights_quality.py --model smollm2-135m --weights fp16,int4
+
+Writes benchmarks/results/weights_quality_<model>.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info, machine_line, parse_result_args, write_result  # noqa: E402
+
+
+def heldout_examples(tokenizer, conversations: int, max_length: int):
+    from verispec.train.data import load_conversations, sharegpt_wheel_file, split_ids, tokenize_all
+    convs, _ = load_conversations(sharegpt_wheel_file())
+    _, held = split_ids(convs, 0.03, 0)
+    return tokenize_all(tokenizer, held[:conversations * 2], max_length)[:conversations]
+
+
+@torch.inference_mode()
+def chunked_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits [T, V] of ``ids`` computed through the KV cache, ``chunk`` tokens per forward."""
+    from verispec.models.kv_cache import KVCache
+    cache = KVCache.for_model(model.cfg, 1, len(ids) + 1)
+    out = []
+    for s in range(0, len(ids), chunk):
+        piece = torch.tensor([ids[s:s + chunk]])
+        pos = torch.arange(s, s + piece.shape[1])[None]
+        out.append(model(piece, pos, cache).logits[0])
+        cache.advance([0], piece.shape[1])
+    return torch.cat(out)
+
+
+def perplexity(model, examples, chunk: int, ref_argmax: list | None):
+    nll, count, agree, argmaxes = 0.0, 0, 0, []
+    for i, ex in enumerate(examples):
+        logits = chunked_logits(model, list(ex.input_ids), chunk)[:-1].float()
+        target = torch.tensor(ex.input_ids[1:])
+        mask = torch.tensor(ex.loss_mask[1:], dtype=torch.bool)
+        lp = torch.log_softmax(logits, -1).gather(1, target[:, None])[:, 0]
+        nll -= float(lp[mask].sum())
+        count += int(mask.sum())
+        top = logits.argmax(-1)[mask]
+        argmaxes.append(top)
+        if ref_argmax is not None:
+            agree += int((top == ref_argmax[i]).sum())
+    return {"perplexity": math.exp(nll / count), "tokens": count,
+            "argmax_agreement": agree / count if ref_argmax is not None else 1.0}, argmaxes
+
+
+def greedy_outputs(loaded, prompts, max_tokens: int) -> list[list[int]]:
+    from verispec import LLM, SamplingParams
+    llm = LLM(loaded=loaded, max_num_seqs=len(prompts))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
+    return [list(o.token_ids) for o in outs]
+
+
+def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:
+    same, prefix = 0, []
+    for o, r in zip(outs, ref):
+        same += o == r
+        n = next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
+        prefix.append(n / max(1, len(r)))
+    return {"identical_share": same / len(ref), "mean_common_prefix": sum(prefix) / len(prefix),
+            "prompts": len(ref)}
+
+
+def run(args) -> dict:
+    from verispec.data import per_category, spec_bench_questions
+    from verispec.models.loading import load_model
+    torch.set_num_threads(args.threads)
+    res = {"machine": machine_info(), "model": args.model, "options": {}, "settings": vars(args).copy()}
+    ref_argmax = ref_out = examples = prompts = None
+    for weights in ["dense"] + [w for w in args.weights.split(",") if w != "dense"]:
+        t0 = time.perf_counter()
+        loaded = load_model(args.model, weights=weights)
+        if examples is None:
+            tok = loaded.tokenizer
+            examples = heldout_examples(tok, args.conversations, args.max_length)
+            qs = per_category(spec_bench_questions(), args.per_category)
+            prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
+                                                   add_generation_prompt=True), add_special_tokens=False).input_ids
+                       for q in qs]
+        ppl, argmaxes = perplexity(loaded.model, examples, args.chunk, ref_argmax)
+        outs = greedy_outputs(loaded, prompts, args.max_tokens)
+        if weights == "dense":
+            ref_argmax, ref_out = argmaxes, outs
+        res["options"][weights] = dict(ppl, **agreement(outs, ref_out), seconds=time.perf_counter() - t0)
+        print(weights, res["options"][weights], flush=True)
+        del loaded
+        gc.collect()
+    res["machine_line"] = machine_line(with_isa=True)
+    return res
+
+
+def write_md(res: dict, path: str) -> None:
+    s = res["settings"]
+    lines = [f"# Quality cost of the CPU weights options: {res['model']}", "",
+             f"Machine: {res.get('machine_line', res['machine']['cpu'])}; torch {res['machine']['torch']}, "
+             f"{s['threads']} threads. Reference: the fp32 model as loaded (`dense`).", "",
+             f"- Perplexity: {s['conversations']} held-out ShareGPT conversations (the heads' held-out split), "
+             f"at most {s['max_length']} tokens each, loss on assistant tokens, fed in chunks of {s['chunk']} "
+             "tokens through the KV cache (the decode/verify kernels).",
+             f"- Greedy: Spec-Bench first turns, {s['per_category']} per category, {s['max_tokens']} new tokens.", "",
+             "| weights | perplexity | vs fp32 | argmax = fp32 (teacher forced) | greedy outputs = fp32 | mean common prefix |",
+             "|---|---|---|---|---|---|"]
+    base = res["options"]["dense"]["perplexity"]
+    for w, o in res["options"].items():
+        lines.append(f"| {w} | {o['perplexity']:.3f} | {o['perplexity'] / base - 1:+.2%} | {o['argmax_agreement']:.2%} | "
+                     f"{o['identical_share']:.0%} of {o['prompts']} | {o['mean_common_prefix']:.0%} |")
+    lines += ["", f"Command: `python benchmarks/weights_quality.py --model {res['model']} --weights {s['weights']}`", ""]
+    Path(path).write_text("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--weights", default="fp16,int4")
+    ap.add_argument("--conversations", type=int, default=32)
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--per-category", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default="smollm2-135m")
+    model = pre.parse_known_args()[0].model
+    args = parse_result_args(ap, f"weights_quality_{model.replace('/', '_')}", write_md)
+    if args is None:
+        return
+    res = run(args)
+    res["settings"].pop("out", None)
+    res["settings"].pop("rerender", None)
+    write_result(res, args.out, write_md)
+    print("wrote", args.out + ".md")
+
+
+if __name__ == "__main__":
+    main()
