@@ -12,8 +12,9 @@ Three kinds (``LLAMACPP_KINDS``):
 
 The peer reads the GGUF as llama.cpp stores it (its own quantised kernels): it is the engine a CPU
 user would pick, not a re-implementation of our weights, so its outputs are compared as text
-agreement, not held to be token-identical. Threads: the run's torch thread count. Steps (for the
-acceptance columns) are counted as the target's ``eval`` calls after the prompt. llama-cpp-python
+agreement, not held to be token-identical. It runs in a worker process (``LlamaCppRunner``).
+Threads: the run's torch thread count. Steps (for the acceptance columns) are counted as the
+target's ``eval`` calls after the prompt. llama-cpp-python
 is installed by ``make bench-llamacpp`` (an sdist: a cmake build), never by ``make test``; where it
 is missing the methods are reported unavailable with that reason.
 """
@@ -79,9 +80,71 @@ class GgufDraft:
         return np.array(out, dtype=np.intc)
 
 
+class _Worker:
+    """The peer's llama.cpp instance in this (worker) process: one ``Llama`` (with its draft
+    hook), greedy or sampled generation of one prompt, steps counted from ``eval`` calls."""
+
+    def __init__(self, path: str, kind: str, options: dict, threads: int, n_ctx: int):
+        llama_cpp = _llama_cpp()
+        k = int(options.get("num_pred_tokens", 5))
+        draft = None
+        if kind == "llamacpp-pld":
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=k, max_ngram_size=int(options.get("max_ngram_size", 2)))
+        elif kind == "llamacpp-draft":
+            draft = GgufDraft(Path(options["draft_path"]), threads, n_ctx, k)
+        self.version = llama_cpp.__version__
+        self.llm = open_llama(Path(path), threads, n_ctx, draft)
+        self.evals = 0
+        inner = self.llm.eval
+
+        def counted(tokens):
+            self.evals += 1
+            return inner(tokens)
+        self.llm.eval = counted
+
+    def generate(self, prompt: list[int], max_tokens: int, eos: list[int], sampling: dict, seed) -> dict:
+        if seed is not None:
+            self.llm.set_seed(int(seed))
+        self.llm.reset()
+        self.evals, out = 0, []
+        t0 = time.perf_counter()
+        if max_tokens > 0:
+            gen = self.llm.generate(prompt, reset=True, **sampling)
+            for tok in gen:
+                if int(tok) in eos:
+                    break
+                out.append(int(tok))
+                if len(out) >= max_tokens:
+                    break
+            gen.close()
+        return {"tokens": out, "wall_s": time.perf_counter() - t0, "evals": self.evals}
+
+
+def worker_main() -> None:
+    """``python -m verispec.bench.llamacpp``: serve one peer over JSON lines on stdin/stdout (first
+    line: its settings; then one request per prompt)."""
+    import json
+    import sys
+    reply = lambda obj: (sys.stdout.write(json.dumps(obj) + "\n"), sys.stdout.flush())  # noqa: E731
+    try:
+        worker = _Worker(**json.loads(sys.stdin.readline()))
+    except Exception as e:  # noqa: BLE001 - reported to the parent as the method's reason
+        reply({"error": f"{type(e).__name__}: {e}"})
+        return
+    reply({"version": worker.version})
+    for line in sys.stdin:
+        reply(worker.generate(**json.loads(line)))
+
+
 @dataclass
 class LlamaCppRunner:
-    """Runs one llama.cpp peer: ``generate(prompts, params) -> GenResult`` (one prompt at a time)."""
+    """Runs one llama.cpp peer: ``generate(prompts, params) -> GenResult`` (one prompt at a time).
+
+    llama.cpp runs in a worker process of its own: its OpenMP threads then wait the way llama.cpp
+    expects (actively) while this process keeps ``OMP_WAIT_POLICY=PASSIVE`` for torch; in one
+    process the two runtimes' settings collide and llama.cpp ran 2.5x slower. ``wall_s`` is timed
+    in the worker around llama.cpp's generation (the pipe's round trip is not charged to it)."""
     kind: str
     path: Path
     eos_token_ids: tuple[int, ...]
@@ -89,61 +152,63 @@ class LlamaCppRunner:
     options: dict = field(default_factory=dict)
     n_ctx: int = 4096
     max_batch: int = 1
-    _llm: Any = None
 
     def __post_init__(self):
+        import json
+        import os
+        import subprocess
+        import sys
         if self.kind not in LLAMACPP_KINDS:
             raise BenchError(f"unknown llama.cpp peer {self.kind!r}; use one of {LLAMACPP_KINDS}")
-        llama_cpp = _llama_cpp()
-        threads = torch.get_num_threads()
-        draft = None
-        k = int(self.options.get("num_pred_tokens", 5))
-        if self.kind == "llamacpp-pld":
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-            draft = LlamaPromptLookupDecoding(num_pred_tokens=k,
-                                              max_ngram_size=int(self.options.get("max_ngram_size", 2)))
-        elif self.kind == "llamacpp-draft":
-            name = self.options.get("draft_model")
-            if not name:
+        _llama_cpp()                                         # missing: BenchError with the hint, here
+        opts = dict(self.options)
+        if self.kind == "llamacpp-draft":
+            if not opts.get("draft_model"):
                 raise BenchError("llamacpp-draft needs 'draft_model' (a GGUF model name or path)")
-            draft = GgufDraft(gguf_path(name), threads, self.n_ctx, k)
-        self.version = llama_cpp.__version__
-        self._llm = open_llama(self.path, threads, self.n_ctx, draft)
-        self._evals = 0
-        inner = self._llm.eval
+            opts["draft_path"] = str(gguf_path(opts["draft_model"]))
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        self._proc = subprocess.Popen([sys.executable, "-m", "verispec.bench.llamacpp"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, env=env)
+        hello = self._call(dict(path=str(self.path), kind=self.kind, options=opts,
+                                threads=torch.get_num_threads(), n_ctx=self.n_ctx))
+        if "error" in hello:
+            self.close()
+            raise BenchError(f"llama.cpp could not load {self.path.name}: {hello['error']}")
+        self.version = hello["version"]
 
-        def counted(tokens):
-            self._evals += 1
-            return inner(tokens)
-        self._llm.eval = counted
+    def _call(self, obj: dict) -> dict:
+        import json
+        self._proc.stdin.write(json.dumps(obj) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise BenchError(f"the llama.cpp worker exited (code {self._proc.wait()}): it crashed")
+        return json.loads(line)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> GenResult:
         if len(prompts) != 1:
             raise BenchError("the llama.cpp peer runs one sequence at a time")
-        prompt = prompts[0]
+        prompt = [int(t) for t in prompts[0]]
         if len(prompt) + params.max_tokens > self.n_ctx:
             raise BenchError(f"prompt of {len(prompt)} tokens + {params.max_tokens} new exceeds n_ctx {self.n_ctx}")
-        kw = dict(temp=0.0, top_k=1) if params.greedy else dict(
+        sampling = dict(temp=0.0, top_k=1) if params.greedy else dict(
             temp=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0)
-        if params.seed is not None:
-            self._llm.set_seed(params.seed)
-        self._llm.reset()
-        self._evals = 0
-        out: list[int] = []
-        t0 = time.perf_counter()
-        if params.max_tokens > 0:
-            gen = self._llm.generate(prompt, reset=True, **kw)
-            for tok in gen:
-                if int(tok) in self.eos_token_ids:
-                    break
-                out.append(int(tok))
-                if len(out) >= params.max_tokens:
-                    break
-            gen.close()
-        wall = time.perf_counter() - t0
-        steps = max(0, self._evals - 1)              # the first eval is the prompt
-        stats = SpecStats(num_steps=steps, num_emitted_tokens=len(out))
-        return GenResult([out], [self.tokenizer.decode(out, skip_special_tokens=True)], wall, stats)
+        r = self._call(dict(prompt=prompt, max_tokens=params.max_tokens, eos=list(self.eos_token_ids),
+                            sampling=sampling, seed=params.seed))
+        out = r["tokens"]
+        stats = SpecStats(num_steps=max(0, r["evals"] - 1), num_emitted_tokens=len(out))   # eval 1: the prompt
+        return GenResult([out], [self.tokenizer.decode(out, skip_special_tokens=True)], r["wall_s"], stats)
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            self._proc.wait(timeout=30)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 def build_llamacpp(kind: str, loaded: LoadedModel, options: dict | None) -> LlamaCppRunner:
@@ -152,3 +217,7 @@ def build_llamacpp(kind: str, loaded: LoadedModel, options: dict | None) -> Llam
         raise BenchError(f"llama.cpp reads GGUF files; the target {loaded.name} was loaded from {loaded.format}")
     eos = tuple(loaded.config.eos_token_ids) or (loaded.tokenizer.eos_token_id,)
     return LlamaCppRunner(kind, Path(loaded.path), eos, loaded.tokenizer, dict(options or {}))
+
+
+if __name__ == "__main__":
+    worker_main()

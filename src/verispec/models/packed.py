@@ -95,6 +95,29 @@ def _gemm(x: torch.Tensor, packed, bias: torch.Tensor) -> torch.Tensor:
     return torch.fbgemm_linear_fp16_weight(x, packed, bias)
 
 
+def _parts_gemm(x: torch.Tensor, packs: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    """The product over one or two column parts (the second on the helper thread when torch may
+    use two threads)."""
+    if len(packs) == 1:
+        return _gemm(x, packs[0], biases[0])
+    if torch.get_num_threads() < 2:
+        return torch.cat([_gemm(x, packs[0], biases[0]), _gemm(x, packs[1], biases[1])], dim=-1)
+    second = _worker().submit(_gemm, x, packs[1], biases[1])
+    return torch.cat([_gemm(x, packs[0], biases[0]), second.result()], dim=-1)
+
+
+# FBGEMM's fp16 ops are composite (they read the packed matrix's pointer), so ``torch.compile``
+# cannot trace them: under compilation the product is this opaque op, with its output shape given.
+@torch.library.custom_op("verispec::fp16_linear", mutates_args=())
+def fp16_linear_op(x: torch.Tensor, packs: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    return _parts_gemm(x, packs, biases)
+
+
+@fp16_linear_op.register_fake
+def _(x, packs, biases):
+    return x.new_empty((*x.shape[:-1], sum(b.shape[0] for b in biases)))
+
+
 class PackedFP16Linear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` packed as fp16 for FBGEMM. ``weight``/``bias`` are the
     original parameters (rounded to fp16 values in place), kept for readers. Matrices of at least
@@ -126,13 +149,10 @@ class PackedFP16Linear(nn.Module):
         if x.dim() >= 2 and x.shape[-2] >= DENSE_MIN_ROWS:
             return nn.functional.linear(x, self.weight, self.bias)
         x = x.contiguous()
-        if len(self._parts) == 1:
-            return _gemm(x, *self._parts[0])
-        (p1, b1), (p2, b2) = self._parts
-        if torch.get_num_threads() < 2:
-            return torch.cat([_gemm(x, p1, b1), _gemm(x, p2, b2)], dim=-1)
-        second = _worker().submit(_gemm, x, p2, b2)
-        return torch.cat([_gemm(x, p1, b1), second.result()], dim=-1)
+        packs, biases = [p for p, _ in self._parts], [b for _, b in self._parts]
+        if torch.compiler.is_compiling():
+            return fp16_linear_op(x, packs, biases)
+        return _parts_gemm(x, packs, biases)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp16 packed"
