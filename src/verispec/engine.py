@@ -91,16 +91,19 @@ class Engine:
     def __init__(self, model: Transformer, drafter: Drafter | None = None, *, max_batch: int,
                  max_len: int, eos_token_ids: tuple[int, ...] = (), max_context: int | None = None,
                  acceptance: AcceptanceRule = LOSSLESS, prefix_cache: PrefixCache | None = None,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, forward=None):
         """``max_len``: cache slots per row (prompt + output + tree slack). ``max_context``: the
         model's usable context; generation stops with reason "length" when it is reached.
         ``acceptance``: the rule that decides which draft tokens are kept (lossless default).
         ``prefix_cache``: K/V blocks shared across requests (and engines of one target).
         ``device``: where the cache, generators and every tensor the engine makes live: the
-        model's parameters' device (the default; naming another one is a ValueError)."""
+        model's parameters' device (the default; naming another one is a ValueError).
+        ``forward``: what runs the decode/verify forward (default the model itself; e.g. a
+        ``models.compiled.CompiledForward`` of it): called as the model, with a ``kv_len``."""
         if not isinstance(acceptance, AcceptanceRule):
             raise TypeError(f"acceptance must be an AcceptanceRule (name, lossy, __call__), got {acceptance!r}")
         self.model = model
+        self._forward = forward or model
         self._drafter = drafter
         self.acceptance = acceptance
         self._accept_batch = batched(acceptance)
@@ -400,8 +403,8 @@ class Engine:
                                device=self.cache.device, vocab=self.model.cfg.vocab_size)
         t = int(batch.tokens.shape[1])
         layers, _ = self._feature_request()
-        out = self.model(batch.tokens, batch.positions, self.cache, attn_mask=batch.mask, rows=rows,
-                         hidden_layers=layers, kv_len=self.cache.kv_len(rows, t))
+        out = self._forward(batch.tokens, batch.positions, self.cache, attn_mask=batch.mask, rows=rows,
+                            hidden_layers=layers, kv_len=self.cache.kv_len(rows, t))
         return batch, out
 
     def _accept(self, seqs: list[Sequence], batch: TreeBatch, out) -> BatchAccept:

@@ -78,7 +78,7 @@ class LLM:
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_threads: int | None = None,
                  loaded: LoadedModel | None = None, weights: str = "dense",
                  prefix_cache_mb: float = 0, prefix_cache_block_size: int = 16,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, compile: bool = False):
         """``loaded`` lets several LLMs share one loaded target (tests, benchmarks).
         ``device``: where the target, its drafter, the KV caches and every tensor of decoding live:
         "cpu", "auto" (cuda when available), "cuda", "cuda:1"... (``verispec.device``); None (the
@@ -89,7 +89,10 @@ class LLM:
         ``prefix_cache_mb`` > 0: one ``PrefixCache`` of that many MiB (blocks of
         ``prefix_cache_block_size`` tokens) shared by every engine this LLM makes, so a prompt
         repeating an earlier prompt or conversation (system prompt, chat history) prefills only
-        what is new; 0 (default) turns it off. Its counters: ``self.prefix_cache.stats()``."""
+        what is new; 0 (default) turns it off. Its counters: ``self.prefix_cache.stats()``.
+        ``compile=True``: decode and verify forwards through ``torch.compile`` (``models.compiled``:
+        fused small ops; compiled once per process, the first steps pay it; ``self.compiled``
+        reports graphs and compile seconds)."""
         if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) or \
                 not 0 <= prefix_cache_mb < float("inf"):
             raise ValueError(f"prefix_cache_mb must be a number >= 0 (0 = off), got {prefix_cache_mb!r}")
@@ -106,6 +109,12 @@ class LLM:
         if loaded is not None and device is not None and not same_device(resolve_device(device), self.device):
             raise ValueError(f"device {str(device)!r} asked for, but the loaded model lives on {self.device}")
         self.tokenizer = self.target.tokenizer
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
+        self.compiled = None
+        if compile:
+            from .models.compiled import CompiledForward
+            self.compiled = CompiledForward(self.target.model)
         self.spec = SpeculativeConfig.from_dict(speculative_config)
         self.acceptance = self.spec.acceptance() if self.spec else LOSSLESS
         self._make_drafter = build_drafter_factory(self.spec, self.target) if self.spec else None
@@ -152,7 +161,8 @@ class LLM:
         slack = (drafter.max_tree_nodes if drafter else 0) + 2
         return Engine(self.target.model, drafter, max_batch=max_batch, max_len=max_len + slack,
                       eos_token_ids=self.eos_token_ids, max_context=self.max_model_len,
-                      acceptance=self.acceptance, prefix_cache=self.prefix_cache, device=self.device)
+                      acceptance=self.acceptance, prefix_cache=self.prefix_cache, device=self.device,
+                      forward=self.compiled)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

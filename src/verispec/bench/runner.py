@@ -81,6 +81,7 @@ class BenchConfig:
     weights: str = "dense"
     device: str = "cpu"                   # where the target and every method run (``verispec.device``)
     threads: int | None = None
+    compile: bool = False                 # verispec's forwards through torch.compile (``models.compiled``)
     hf_weights: str = "loader"
     warmup_tokens: int = 16
     tie_threshold: float = 1e-4
@@ -264,8 +265,8 @@ class EngineRunner:
     """verispec's engine (vanilla when ``spec_config`` is None) on the shared target."""
     max_batch = 1 << 30
 
-    def __init__(self, loaded: LoadedModel, spec_config: dict | None, max_batch: int):
-        self.llm = LLM(loaded=loaded, speculative_config=spec_config, max_num_seqs=max_batch)
+    def __init__(self, loaded: LoadedModel, spec_config: dict | None, max_batch: int, compile: bool = False):
+        self.llm = LLM(loaded=loaded, speculative_config=spec_config, max_num_seqs=max_batch, compile=compile)
         self._engine = None
         make_engine = self.llm.make_engine
 
@@ -297,7 +298,7 @@ def build_runners(specs: list[MethodSpec], loaded: LoadedModel, config: BenchCon
                 elif spec.kind in PEER_KINDS:
                     runners[spec.name] = peers.build(spec.kind, spec.config)
                 else:   # LLM validates the config and builds the drafter (SpecConfigError)
-                    runners[spec.name] = EngineRunner(loaded, spec.config, max(config.batch_sizes))
+                    runners[spec.name] = EngineRunner(loaded, spec.config, max(config.batch_sizes), config.compile)
             except SETUP_ERRORS as e:
                 spec = MethodSpec(spec.name, spec.kind, spec.config, f"{type(e).__name__}: {e}")
         out.append(spec)

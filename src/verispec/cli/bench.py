@@ -55,6 +55,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         preset=args.preset, dataset=args.dataset, categories=args.categories,
         per_category=args.per_category or None, max_tokens=args.max_tokens, temperature=args.temperature,
         batch_sizes=args.batch_sizes, repeats=args.repeats, dtype=args.dtype, weights=args.weights, device=args.device,
+        compile=args.compile,
         threads=args.threads,
         hf_weights=args.hf_weights, warmup_tokens=args.warmup_tokens, name=args.name, notes=args.notes or "")
 
@@ -115,6 +116,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     add_weights_argument(p)
+    p.add_argument("--compile", action="store_true", help="verispec's decode/verify forwards through torch.compile "
+                   "(compiled during the warm-up; see models/compiled.py)")
     add_device_argument(p)
     p.add_argument("--threads", type=int, help="torch threads for every method (default: torch's)")
     p.add_argument("--hf-weights", choices=("loader", "shared"), default="loader",

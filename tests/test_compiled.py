@@ -1,0 +1,82 @@
+"""The compiled decode/verify forward (``models.compiled``): the logits of the eager forward within
+float tolerance on decode and tree-verify shapes, greedy decoding (vanilla and speculative) equal
+to the eager engine's, eager fallback for other rows, compile time reported. A tiny model keeps
+the compilation to seconds; the real-model check is marked slow."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import tiny_llama
+from verispec import SamplingParams
+from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.engine import Engine, Sequence
+from verispec.models.compiled import CompiledForward
+from verispec.models.kv_cache import KVCache
+from verispec.tree import DraftTree
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_llama(48, 32, 2, seed=3).fuse_()
+    return model, CompiledForward(model)
+
+
+def test_compiled_logits_match_eager_on_decode_and_tree_shapes(tiny):
+    model, compiled = tiny
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        caches = [KVCache.for_model(model.cfg, 2, 192) for _ in range(2)]
+        ids = torch.randint(0, 48, (2, 70))
+        for c in caches:
+            model(ids, torch.arange(70).expand(2, 70), c)
+            c.advance([0, 1], 70)
+        tree = DraftTree(torch.tensor([5, 9, 7]), torch.tensor([-1, -1, 0]))
+        mask = tree.ancestor_mask()                                   # [4, 4]: root and nodes
+        for toks, pos, m in ((torch.tensor([[3], [4]]), torch.tensor([[70], [70]]), None),
+                             (torch.tensor([[3, 5, 9, 7]] * 2), torch.tensor([[70, 71, 71, 72]] * 2), mask.expand(2, 4, 4))):
+            t = toks.shape[1]
+            want = model(toks, pos, caches[0], attn_mask=m, kv_len=caches[0].kv_len([0, 1], t)).logits
+            got = compiled(toks, pos, caches[1], attn_mask=m, rows=[0, 1], kv_len=caches[1].kv_len([0, 1], t)).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert compiled.graphs >= 2 and compiled.compile_s > 0 and compiled.eager_calls == 0
+    assert "graph(s)" in compiled.describe()
+
+
+def test_other_rows_run_eager(tiny):
+    model, compiled = tiny
+    with torch.inference_mode():
+        cache = KVCache.for_model(model.cfg, 3, 64)
+        cache.advance([2], 0)
+        before = compiled.eager_calls
+        out = compiled(torch.tensor([[1]]), torch.tensor([[0]]), cache, rows=[2], kv_len=64)
+        want = model(torch.tensor([[1]]), torch.tensor([[0]]), cache, rows=[2], kv_len=64)
+    assert compiled.eager_calls == before + 1 and torch.equal(out.logits, want.logits)
+
+
+def test_compiled_engine_greedy_equals_eager(tiny):
+    model, compiled = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+    def run(forward, drafter=None):
+        engine = Engine(model, drafter, max_batch=2, max_len=96, forward=forward)
+        seqs = [Sequence(prompt_ids=p, params=params) for p in prompts]
+        engine.run(seqs)
+        return [s.output_ids for s in seqs]
+    eager = run(None)
+    assert run(compiled) == eager
+    draft = DraftModelDrafter(tiny_llama(48, 32, 1, seed=3), max_batch=2, max_len=96, num_speculative_tokens=3)
+    assert run(compiled, draft) == eager
+
+
+@pytest.mark.slow
+def test_compiled_smollm2_greedy_equals_eager(packed_target, head_prompts):
+    from verispec import LLM
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    batch = [{"prompt_token_ids": p} for p in head_prompts[:1]]
+    want = LLM(loaded=packed_target, max_num_seqs=1).generate(batch, greedy)
+    llm = LLM(loaded=packed_target, max_num_seqs=1, compile=True, speculative_config={"method": "eagle3"})
+    got = llm.generate(batch, greedy)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.compiled.graphs > 0
