@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup demo test test-slow bench-vanilla bench-spec-core bench-heads qwen draft-vocab-qwen clean sharegpt regen train-eagle3 train-medusa ship-heads
+.PHONY: setup demo test test-slow bench-llamacpp bench-weights llamacpp bench-vanilla bench-spec-core bench-heads qwen draft-vocab-qwen clean sharegpt regen train-eagle3 train-medusa ship-heads
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -81,6 +81,25 @@ train-eagle3: regen
 train-medusa: regen
 	$(BIN)/verispec train medusa --data $(HEAD_DATA) --out runs/medusa-smollm2 --max-steps 60 \
 	  --batch-size 4 --micro-batch-size 2 --lr 1e-3 --num-heads 4 --num-layers 1 --log-every 5 --save-every 20 --threads 1
+
+# llama.cpp as a benchmark peer (#20): llama-cpp-python is an sdist, built here with cmake (about
+# 10 minutes on 2 cores), never by `make test`. Then vanilla speed by weights option beside it, and
+# Spec-Bench (13 categories x 2, 128 tokens, greedy) with our best methods and its own.
+LLAMA_CPP := llama-cpp-python==0.3.36
+$(VENV)/.llamacpp: $(STAMP)
+	$(BIN)/pip install -q $(LLAMA_CPP)
+	touch $@
+llamacpp: $(VENV)/.llamacpp
+
+bench-llamacpp: $(VENV)/.llamacpp
+	$(BIN)/python benchmarks/decode_speed.py --model smollm2-135m --per-category 2 --max-tokens 128
+	$(BIN)/verispec bench --model smollm2-135m --weights fp16 --threads 2 --per-category 2 --max-tokens 128 \
+	  --methods vanilla,ngram,eagle3,llamacpp,llamacpp-pld --name llamacpp-smollm2 \
+	  --out benchmarks/results/spec_bench/llamacpp_smollm2
+
+# The quality cost of each weights option against fp32 (perplexity, greedy agreement).
+bench-weights: sharegpt
+	$(BIN)/python benchmarks/weights_quality.py --model smollm2-135m --weights fp16,int4
 
 bench-heads: $(STAMP)
 	$(BIN)/python benchmarks/trained_heads.py

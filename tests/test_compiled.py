@@ -59,8 +59,8 @@ def test_compiled_engine_greedy_equals_eager(tiny):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
 
-    def run(forward, drafter=None):
-        engine = Engine(model, drafter, max_batch=2, max_len=96, forward=forward)
+    def run(forward, drafter=None, max_len=96):
+        engine = Engine(model, drafter, max_batch=2, max_len=max_len, forward=forward)
         seqs = [Sequence(prompt_ids=p, params=params) for p in prompts]
         engine.run(seqs)
         return [s.output_ids for s in seqs]
@@ -68,6 +68,9 @@ def test_compiled_engine_greedy_equals_eager(tiny):
     assert run(compiled) == eager
     draft = DraftModelDrafter(tiny_llama(48, 32, 1, seed=3), max_batch=2, max_len=96, num_speculative_tokens=3)
     assert run(compiled, draft) == eager
+    graphs = compiled.graphs
+    assert run(compiled, max_len=80) == eager                 # another cache size: the same graphs
+    assert compiled.graphs == graphs
 
 
 @pytest.mark.slow

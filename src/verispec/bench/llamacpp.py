@@ -56,7 +56,7 @@ def gguf_path(name_or_path: str | Path) -> Path:
 def open_llama(path: Path, threads: int, n_ctx: int, draft=None):
     llama_cpp = _llama_cpp()
     return llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                           verbose=False, draft_model=draft, logits_all=False)
+                           verbose=False, draft_model=draft, logits_all=draft is not None)
 
 
 class GgufDraft:

@@ -14,7 +14,8 @@ Contract
   ``eager_calls``. Shapes: ``dynamic=None`` (a size that changes is recompiled once as dynamic),
   so a run compiles a handful of graphs; past torch's recompile limit dynamo itself falls back to
   eager. A call that compiles is run once more with ``kv_len`` one bucket away, so the graph that
-  serves every cache length is compiled then, not at the next bucket.
+  serves every cache length is compiled then, not at the next bucket; the K/V tensors' slot
+  dimension is marked dynamic, so the next engine's cache (sized to its prompts) reuses the graphs.
 - Compilation is paid once per process (and cached on disk by inductor across processes):
   ``compile_s`` sums the wall time of the calls that compiled, ``graphs`` counts them.
 - Generated kernels run on one thread (``cpp.threads=1``): on 2 cores, waking a second thread for
@@ -23,6 +24,7 @@ Contract
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -45,6 +47,15 @@ class CompiledForward:
         self.compile_s = 0.0
         self.graphs = 0
         self.eager_calls = 0
+        self._caches: weakref.WeakSet = weakref.WeakSet()
+
+    def _mark(self, cache) -> None:
+        """Each engine sizes its cache to its prompts: the slot dimension of the K/V tensors is
+        marked dynamic before the first compile, so a new cache does not recompile."""
+        if cache not in self._caches:
+            for t in (*cache.k, *cache.v):
+                torch._dynamo.mark_dynamic(t, 2)
+            self._caches.add(cache)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, *, attn_mask=None,
                  rows=None, hidden_layers: tuple[int, ...] = (), kv_len: int | None = None) -> ModelOutput:
@@ -55,6 +66,7 @@ class CompiledForward:
             self.eager_calls += 1
             return self.model(tokens, positions, cache, attn_mask=attn_mask, rows=rows,
                               hidden_layers=hidden_layers, kv_len=kv_len)
+        self._mark(cache)
         before, t0 = _graphs(), time.perf_counter()
         run = lambda n: self._fn(tokens, positions, cache, attn_mask=attn_mask,  # noqa: E731
                                  hidden_layers=tuple(hidden_layers), kv_len=n)
