@@ -53,3 +53,22 @@ def machine_line(with_isa: bool = False) -> str:
         isa = "AVX-512 with bf16/VNNI" if "avx512_bf16" in flags else ("AVX-512" if "avx512f" in flags else "AVX2")
         cpu = f"{cpu} ({isa})"
     return f"{cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end"
+
+
+def run_per_model(ap, prefix: str, run, write_md) -> None:
+    """``main`` of a benchmark with a ``--model`` option (added here, default smollm2-135m): results
+    go to results/<prefix>_<model>.{json,md} unless ``--out`` says otherwise; ``run(args) -> dict``
+    with a ``settings`` entry (``--out``/``--rerender`` are dropped from it)."""
+    import argparse
+    ap.add_argument("--model", default="smollm2-135m")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default="smollm2-135m")
+    model = pre.parse_known_args()[0].model
+    args = parse_result_args(ap, f"{prefix}_{model.replace('/', '_')}", write_md)
+    if args is None:
+        return
+    res = run(args)
+    for k in ("out", "rerender"):
+        res["settings"].pop(k, None)
+    write_result(res, args.out, write_md)
+    print("wrote", args.out + ".md")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_info, machine_line, parse_result_args, write_result  # noqa: E402
+from machine import machine_info, machine_line, run_per_model  # noqa: E402
 
 
 def heldout_examples(tokenizer, conversations: int, max_length: int):
@@ -136,7 +136,6 @@ def write_md(res: dict, path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--weights", default="fp16,int4")
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--max-length", type=int, default=512)
@@ -144,17 +143,7 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--model", default="smollm2-135m")
-    model = pre.parse_known_args()[0].model
-    args = parse_result_args(ap, f"weights_quality_{model.replace('/', '_')}", write_md)
-    if args is None:
-        return
-    res = run(args)
-    res["settings"].pop("out", None)
-    res["settings"].pop("rerender", None)
-    write_result(res, args.out, write_md)
-    print("wrote", args.out + ".md")
+    run_per_model(ap, "weights_quality", run, write_md)
 
 
 if __name__ == "__main__":

@@ -90,9 +90,12 @@ def hf_target(target_dir):
 
 
 @pytest.fixture
-def no_compile(monkeypatch):
-    """``torch.compile``-wrapped functions run eagerly (the same code, without inductor's CPU build)."""
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+def no_compile():
+    """``torch.compile``-wrapped functions run eagerly (the same code, without inductor's CPU build).
+    Through ``config.patch``: pytest's monkeypatch undoes a config attribute by deleting it, which
+    hides the option and breaks every later ``torch.compile`` in the process."""
+    with torch._dynamo.config.patch(disable=True):
+        yield
 
 
 def require(module: str, wheel: str) -> None:
