@@ -14,9 +14,9 @@ The peer reads the GGUF as llama.cpp stores it (its own quantised kernels): it i
 user would pick, not a re-implementation of our weights, so its outputs are compared as text
 agreement, not held to be token-identical. It runs in a worker process (``LlamaCppRunner``).
 Threads: the run's torch thread count. Steps (for the acceptance columns) are counted as the
-target's ``eval`` calls after the prompt. llama-cpp-python
-is installed by ``make bench-llamacpp`` (an sdist: a cmake build), never by ``make test``; where it
-is missing the methods are reported unavailable with that reason.
+target's ``eval`` calls after the prompt. llama-cpp-python is installed by ``make bench-llamacpp``
+(an sdist: a cmake build), never by ``make test``; where it is missing the methods are reported
+unavailable with that reason.
 """
 from __future__ import annotations
 
@@ -154,7 +154,6 @@ class LlamaCppRunner:
     max_batch: int = 1
 
     def __post_init__(self):
-        import json
         import os
         import subprocess
         import sys

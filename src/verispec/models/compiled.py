@@ -28,10 +28,10 @@ import weakref
 
 import torch
 
+from .kv_cache import KV_GRANULE
 from .transformer import ModelOutput, Transformer
 
 CPU_OPTIONS = {"cpp.threads": 1}
-KV_GRANULE = 64                     # ``KVCache.kv_len``'s bucket
 
 
 def _graphs() -> int:

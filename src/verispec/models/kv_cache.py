@@ -32,7 +32,10 @@ class CacheFullError(RuntimeError):
     """A write would go past the preallocated length of the cache."""
 
 
-def bucket_len(n: int, max_len: int, granule: int = 64) -> int:
+KV_GRANULE = 64          # slots per ``kv_len`` bucket
+
+
+def bucket_len(n: int, max_len: int, granule: int = KV_GRANULE) -> int:
     """``n`` rounded up to a multiple of ``granule``, at most ``max_len`` (CacheFullError past it)."""
     if n > max_len:
         raise CacheFullError(f"KV cache holds {max_len} slots per sequence, {n} needed")
@@ -68,7 +71,7 @@ class KVCache:
             self._host, self._seen = self.lengths.tolist(), self.lengths._version
         return [self._host[r] for r in _host_rows(rows)]
 
-    def kv_len(self, rows: Rows, new_tokens: int, granule: int = 64) -> int:
+    def kv_len(self, rows: Rows, new_tokens: int, granule: int = KV_GRANULE) -> int:
         """Bucketed slot count for a forward of ``new_tokens`` on ``rows`` (pass it to the model's
         ``kv_len``): ``max(lengths) + new_tokens`` rounded up by ``bucket_len``."""
         return bucket_len(max(self.lengths_of(rows), default=0) + new_tokens, self.max_len, granule)

@@ -139,9 +139,16 @@ class PackedFP16Linear(nn.Module):
         w = linear.weight.detach()
         half = (self.out_features // 2) // _SPLIT_ALIGN * _SPLIT_ALIGN
         if w.numel() * 2 >= SPLIT_MIN_BYTES and half > 0:
-            self._parts = [(_pack(w[:half]), bias[:half].contiguous()), (_pack(w[half:]), bias[half:].contiguous())]
+            parts = [(_pack(w[:half]), bias[:half].contiguous()), (_pack(w[half:]), bias[half:].contiguous())]
         else:
-            self._parts = [(_pack(w), bias)]
+            parts = [(_pack(w), bias)]
+        # the kernel's arguments as lists, made once (every decode step calls this module ~120 times)
+        self._packs, self._biases = [p for p, _ in parts], [b for _, b in parts]
+
+    @property
+    def _parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(packed matrix, bias) per column part."""
+        return list(zip(self._packs, self._biases))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
@@ -149,10 +156,9 @@ class PackedFP16Linear(nn.Module):
         if x.dim() >= 2 and x.shape[-2] >= DENSE_MIN_ROWS:
             return nn.functional.linear(x, self.weight, self.bias)
         x = x.contiguous()
-        packs, biases = [p for p, _ in self._parts], [b for _, b in self._parts]
         if torch.compiler.is_compiling():
-            return fp16_linear_op(x, packs, biases)
-        return _parts_gemm(x, packs, biases)
+            return fp16_linear_op(x, self._packs, self._biases)
+        return _parts_gemm(x, self._packs, self._biases)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp16 packed"

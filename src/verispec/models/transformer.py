@@ -310,8 +310,6 @@ class Transformer(nn.Module):
     def pack_fp16_(self) -> "Transformer":
         """fp16-packed weights for every matmul of the fused forward (see ``packed``)."""
         from .packed import pack_fp16_
-        if any(layer.attn.fused is None or layer.mlp.fused is None for layer in self.layers):
-            self.fuse_()
         pack_fp16_(self, self._layer_matmuls() + ("lm_head",))
         return self
 
@@ -320,13 +318,14 @@ class Transformer(nn.Module):
         its rows are what drafters read through, and 4 bits there cost the most quality."""
         from .int4 import pack_int4_
         from .packed import pack_fp16_
-        if any(layer.attn.fused is None or layer.mlp.fused is None for layer in self.layers):
-            self.fuse_()
         pack_int4_(self, self._layer_matmuls())
         pack_fp16_(self, ("lm_head",))
         return self
 
     def _layer_matmuls(self) -> tuple[str, ...]:
-        """Dotted names of the fused forward's matmuls in the decoder layers."""
+        """Dotted names of the fused forward's matmuls in the decoder layers (fusing them first
+        where that has not been done)."""
+        if any(layer.attn.fused is None or layer.mlp.fused is None for layer in self.layers):
+            self.fuse_()
         return tuple(f"layers.{i}.{m}" for i in range(len(self.layers))
                      for m in ("attn.fused", "attn.wo", "mlp.fused", "mlp.w_down"))
