@@ -4,7 +4,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-export OMP_WAIT_POLICY ?= PASSIVE
+# OpenMP wait policy: the default (spin a while, then sleep) everywhere but the tests, whose
+# conftest sets PASSIVE (two pytest workers share the 2 cores). The threaded fp16 kernel and the int4
+# kernel hand work to the second thread ~120 times a token: a sleeping thread costs ~50 us to wake.
 
 .PHONY: setup demo test test-slow bench-llamacpp bench-weights llamacpp bench-vanilla bench-spec-core bench-heads qwen draft-vocab-qwen clean sharegpt regen train-eagle3 train-medusa ship-heads
 

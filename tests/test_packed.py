@@ -13,6 +13,7 @@ from torch import nn
 from helpers import assert_same_or_tie, tiny_llama
 from verispec import LLM, SamplingParams
 from verispec.models.loading import load_model
+from verispec.models import fp16_kernel
 from verispec.models.packed import PackedFP16Linear, WeightFormat, fp16_packing_available, shared_reader
 from verispec.tree import DraftTree
 
@@ -95,15 +96,15 @@ def test_greedy_on_packed_target_equals_its_vanilla(packed_target, head_prompts,
 
 
 def test_split_matrix_is_bit_identical_on_one_and_two_threads(monkeypatch):
-    """A matrix over ``SPLIT_MIN_BYTES`` is packed as two column halves computed on two threads:
-    every output element comes from the same kernel over the same inputs, so the product is
-    bit-identical to the unsplit one, with and without the helper thread."""
+    """torch backend: a matrix over ``SPLIT_MIN_BYTES`` is packed as two column halves computed on
+    two threads: every output element comes from the same kernel over the same inputs, so the
+    product is bit-identical to the unsplit one, with and without the helper thread."""
     from verispec.models import packed as packed_mod
     torch.manual_seed(0)
     lin = nn.Linear(64, 300)
-    whole = PackedFP16Linear(copy.deepcopy(lin))
+    whole = PackedFP16Linear(copy.deepcopy(lin), backend="torch")
     monkeypatch.setattr(packed_mod, "SPLIT_MIN_BYTES", 1)
-    split = PackedFP16Linear(copy.deepcopy(lin))
+    split = PackedFP16Linear(copy.deepcopy(lin), backend="torch")
     assert len(whole._parts) == 1 and len(split._parts) == 2
     assert split._parts[0][0] is not None and split.out_features == 300
     before = torch.get_num_threads()
@@ -118,13 +119,68 @@ def test_split_matrix_is_bit_identical_on_one_and_two_threads(monkeypatch):
         torch.set_num_threads(before)
 
 
+threaded = pytest.mark.skipif(fp16_kernel.kernel() is None,
+                              reason=f"threaded fp16 kernel unavailable: {fp16_kernel.unavailable_reason()}")
+
+
+@threaded
+@pytest.mark.parametrize("shape", [(64, 300), (576, 960), (96, 33)], ids=str)
+def test_threaded_kernel_is_bit_identical_to_torch_op_on_any_thread_count(shape):
+    """The threaded op splits the output's column blocks over threads (fringe columns included,
+    as in 33 outputs): bit-identical to torch's single-threaded op and to itself on one thread,
+    with and without bias, at decode and verify sizes."""
+    k, n = shape
+    torch.manual_seed(0)
+    for bias in (True, False):
+        lin = nn.Linear(k, n, bias=bias)
+        mt = PackedFP16Linear(copy.deepcopy(lin), backend="threaded")
+        ref = PackedFP16Linear(copy.deepcopy(lin), backend="torch")
+        assert mt.backend == "threaded" and ref.backend == "torch" and torch.equal(mt.weight, ref.weight)
+        before = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for m in (1, 2, 4, 8, 17):
+                    x = torch.randn(1, m, k)
+                    assert torch.equal(mt(x), ref(x)), (threads, m)
+        finally:
+            torch.set_num_threads(before)
+
+
+@threaded
+def test_threaded_kernel_rejects_bad_input():
+    ext = fp16_kernel.kernel()
+    mt = PackedFP16Linear(nn.Linear(32, 48), backend="threaded")
+    with pytest.raises(RuntimeError, match="input has 31 features, the weight takes 32"):
+        mt(torch.randn(2, 31))
+    with pytest.raises(RuntimeError, match="bias has 47 elements"):
+        ext.linear(torch.randn(2, 32), mt._buf, mt._meta, torch.zeros(47), 2)
+    with pytest.raises(RuntimeError, match="bad meta"):
+        ext.linear(torch.randn(2, 32), mt._buf, mt._meta[:5], None, 2)
+    with pytest.raises(RuntimeError, match="too small"):
+        ext.linear(torch.randn(2, 32), mt._buf[:100], mt._meta, None, 2)
+    with pytest.raises(RuntimeError, match="2-D"):
+        ext.pack(torch.randn(4, 4, 4))
+    with pytest.raises(ValueError, match="unknown fp16 backend"):
+        PackedFP16Linear(nn.Linear(8, 8), backend="cuda")
+    assert mt(torch.randn(0, 32)).shape == (0, 48)
+
+
+def test_torch_op_only_context_and_env_fall_back():
+    """Benchmarks' baseline: matrices packed inside ``torch_op_only()`` use torch's op."""
+    with fp16_kernel.torch_op_only():
+        assert PackedFP16Linear(nn.Linear(8, 8)).backend == "torch"
+        with pytest.raises(RuntimeError, match="unavailable"):
+            PackedFP16Linear(nn.Linear(8, 8), backend="threaded")
+
+
 def test_long_inputs_use_the_dense_kernel_with_the_same_rounded_weights(single_thread):
     """Prefill-length inputs (T >= DENSE_MIN_ROWS) go to the fp32 BLAS over the rounded weights;
     short ones (decode, verification) to FBGEMM, whatever the batch size."""
     from verispec.models import packed as packed_mod
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
-    packed = PackedFP16Linear(lin)
+    packed = PackedFP16Linear(lin, backend="torch")
     t = packed_mod.DENSE_MIN_ROWS
     long_x = torch.randn(2, t, 64)
     assert torch.equal(packed(long_x), F.linear(long_x, lin.weight, lin.bias))

@@ -16,8 +16,11 @@ Contract:
   with respect to it; it is not bit-identical to the fp32 model (relative weight error <= 2^-11).
 - Which kernel computes a product depends only on the weight's size and the input's sequence
   length T, never on the batch or the drafter: T >= ``DENSE_MIN_ROWS`` (prefill chunks) runs the
-  fp32 BLAS over the same rounded weights; shorter inputs (decode, verification) run FBGEMM, on two
-  threads for matrices of ``SPLIT_MIN_BYTES`` or more (bit-identical to one thread).
+  fp32 BLAS over the same rounded weights; shorter inputs (decode, verification) run FBGEMM's fp16
+  kernel over all of torch's threads (``fp16_kernel``: the output's column blocks split inside one
+  OpenMP region; bit-identical to one thread). Where that op cannot be built, torch's
+  single-threaded op runs instead, matrices of ``SPLIT_MIN_BYTES`` or more as two column halves on
+  two Python threads (bit-identical too).
 - CPU only (``load_model`` refuses ``weights="fp16"`` with any other device before loading: on
   CUDA, dtype bfloat16 / float16 is the fast path). Inference only (no autograd through packed
   weights); fp32 activations only. Packing keeps the
@@ -33,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
+
+from . import fp16_kernel
 
 
 class WeightFormat(str, enum.Enum):
@@ -55,7 +60,14 @@ def fp16_packing_available() -> bool:
     return hasattr(torch, "fbgemm_pack_gemm_matrix_fp16") and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 
-# FBGEMM's fp16 GEMM runs on one thread. A large matrix is packed as two halves of its output
+# Under OMP_WAIT_POLICY=PASSIVE, OpenMP's threads sleep between parallel regions and waking one
+# costs ~50 us (measured: a 576x576 product 15 us on one thread, 64 us on two): the threaded op
+# then splits only matrices of SPLIT_MIN_BYTES or more. With the default (spin a while) policy a
+# region costs a few microseconds and every matrix is split (576x576: 15 -> 9 us; 3072x576:
+# 73 -> 39 us; the 49152x576 LM head 1.47 -> 0.92 ms at T = 1).
+_OMP_PASSIVE = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+
+# torch's FBGEMM fp16 GEMM (the fallback) runs on one thread. A large matrix is packed as two halves of its output
 # columns, computed on two threads when torch may use two or more: every output element is the
 # same kernel over the same inputs, so the result is bit-identical to the unsplit product.
 # Measured on the 2-core AMD EPYC (benchmarks/results/spec_core.analysis.md): with 12 MB the Qwen
@@ -118,25 +130,57 @@ def _(x, packs, biases):
     return x.new_empty((*x.shape[:-1], sum(b.shape[0] for b in biases)))
 
 
+def _threaded_gemm(x: torch.Tensor, buf: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor | None,
+                   max_threads: int) -> torch.Tensor:
+    return fp16_kernel.kernel().linear(x, buf, meta, bias, max_threads)
+
+
+@torch.library.custom_op("verispec::fp16_linear_mt", mutates_args=())
+def fp16_linear_mt_op(x: torch.Tensor, buf: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor | None,
+                      max_threads: int, out_features: int) -> torch.Tensor:
+    return _threaded_gemm(x, buf, meta, bias, max_threads)
+
+
+@fp16_linear_mt_op.register_fake
+def _(x, buf, meta, bias, max_threads, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class PackedFP16Linear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` packed as fp16 for FBGEMM. ``weight``/``bias`` are the
-    original parameters (rounded to fp16 values in place), kept for readers. Matrices of at least
-    ``SPLIT_MIN_BYTES`` (fp16) are packed in two column halves and use a second thread. An input
-    whose sequence length (``x.shape[-2]``) is at least ``DENSE_MIN_ROWS`` goes to the fp32 BLAS
-    with the same rounded weights (prefill)."""
+    original parameters (rounded to fp16 values in place), kept for readers. The product runs on
+    all of torch's threads through ``fp16_kernel`` (``backend="threaded"``, the default where it
+    builds) or torch's single-threaded op (``backend="torch"``; matrices of at least
+    ``SPLIT_MIN_BYTES`` as two column halves on two Python threads). An input whose sequence
+    length (``x.shape[-2]``) is at least ``DENSE_MIN_ROWS`` goes to the fp32 BLAS with the same
+    rounded weights (prefill)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, backend: str | None = None):
         super().__init__()
         if linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
             raise ValueError("fp16 packing needs fp32 weights on the CPU "
                              f"(got {linear.weight.dtype} on {linear.weight.device}); on CUDA use dtype "
                              "bfloat16 or float16 with dense weights instead")
+        if backend not in (None, "threaded", "torch"):
+            raise ValueError(f"unknown fp16 backend {backend!r}; use 'threaded' or 'torch'")
         with torch.no_grad():
             linear.weight.copy_(linear.weight.half().float())
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        bias = (linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features, device="cpu"))
         w = linear.weight.detach()
+        ext = fp16_kernel.kernel() if backend != "torch" else None
+        if backend == "threaded" and ext is None:
+            raise RuntimeError(f"the threaded fp16 kernel is unavailable: {fp16_kernel.unavailable_reason()}")
+        self.backend = "threaded" if ext is not None else "torch"
+        self._packs: list[torch.Tensor] = []
+        self._biases: list[torch.Tensor] = []
+        if ext is not None:
+            self._buf, self._meta = ext.pack(w.contiguous())
+            self._bias = linear.bias.detach().contiguous() if linear.bias is not None else None
+            big = w.numel() * 2 >= SPLIT_MIN_BYTES
+            self._max_threads = 1 if (_OMP_PASSIVE and not big) else 1 << 16   # capped by torch's
+            return
+        bias = (linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features, device="cpu"))
         half = (self.out_features // 2) // _SPLIT_ALIGN * _SPLIT_ALIGN
         if w.numel() * 2 >= SPLIT_MIN_BYTES and half > 0:
             parts = [(_pack(w[:half]), bias[:half].contiguous()), (_pack(w[half:]), bias[half:].contiguous())]
@@ -147,7 +191,7 @@ class PackedFP16Linear(nn.Module):
 
     @property
     def _parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(packed matrix, bias) per column part."""
+        """(packed matrix, bias) per column part of the ``torch`` backend (empty for ``threaded``)."""
         return list(zip(self._packs, self._biases))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,12 +200,17 @@ class PackedFP16Linear(nn.Module):
         if x.dim() >= 2 and x.shape[-2] >= DENSE_MIN_ROWS:
             return nn.functional.linear(x, self.weight, self.bias)
         x = x.contiguous()
+        if self.backend == "threaded":
+            if torch.compiler.is_compiling():
+                return fp16_linear_mt_op(x, self._buf, self._meta, self._bias, self._max_threads,
+                                         self.out_features)
+            return _threaded_gemm(x, self._buf, self._meta, self._bias, self._max_threads)
         if torch.compiler.is_compiling():
             return fp16_linear_op(x, self._packs, self._biases)
         return _parts_gemm(x, self._packs, self._biases)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp16 packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp16 packed ({self.backend})"
 
 
 def pack_fp16_(model: nn.Module, names: tuple[str, ...]) -> int:

@@ -1,0 +1,89 @@
+"""The multi-threaded fp16-weight GEMM (``csrc/fp16_gemm.cpp``), built on first use.
+
+Why: torch's ``fbgemm_linear_fp16_weight`` runs FBGEMM's fp16 kernel on one thread, so a decode
+or verify forward used one core for its matmuls (half the step on SmolLM2-135M). FBGEMM's kernel
+can split its output column blocks over threads; the C++ op does that inside one OpenMP region
+(one parallel region per product, no Python hand-off). Every output element is the same kernel
+over the same inputs, so products are bit-identical whatever the thread count, and to torch's op.
+
+Contract
+- ``kernel()`` returns the compiled module (``pack(weight) -> (buffer, meta)``,
+  ``linear(x, buffer, meta, bias, max_threads)``) or ``None`` where it cannot be had (no C++
+  compiler, no FBGEMM, ``VERISPEC_FP16_KERNEL=torch``); ``unavailable_reason()`` says why. The
+  first call compiles it with ``torch.utils.cpp_extension`` (about 25 s, once per machine: the
+  build is cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``), under a file lock, so
+  concurrent processes build it once.
+- FBGEMM's public headers include asmjit only for register types of its code generators, which
+  this op never uses; ``csrc/asmjit`` stands in for them.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+ENV = "VERISPEC_FP16_KERNEL"          # "torch": use torch's single-threaded op instead
+_state: dict = {}
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; an un-activated venv has it only in its bin."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+    _ninja_on_path()
+    flags = ["-O3", "-fopenmp"]       # at::parallel_for is an OpenMP region compiled into this op
+    return load(name="verispec_fp16_gemm", sources=[str(CSRC / "fp16_gemm.cpp")],
+                extra_include_paths=[str(CSRC)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                verbose=False)
+
+
+def kernel():
+    """The compiled op module, or ``None`` (see ``unavailable_reason``). Built once per process."""
+    if _state.get("off"):
+        return None
+    if "module" not in _state:
+        _state["module"], _state["reason"] = None, None
+        if os.environ.get(ENV, "").lower() == "torch":
+            _state["reason"] = f"{ENV}=torch"
+        elif torch.backends.cpu.get_cpu_capability() == "DEFAULT" or not hasattr(torch, "fbgemm_pack_gemm_matrix_fp16"):
+            _state["reason"] = "no FBGEMM fp16 kernels in this torch build / CPU"
+        else:
+            try:
+                _state["module"] = _build()
+            except Exception as e:                       # no compiler, headers, ninja: fall back
+                lines = str(e).strip().splitlines() or [type(e).__name__]
+                why = next((ln for ln in lines if "error" in ln.lower()), lines[-1])
+                _state["reason"] = f"building csrc/fp16_gemm.cpp failed: {why.strip()[:300]}"
+                warnings.warn(f"verispec: {_state['reason']}; fp16-packed matmuls run torch's "
+                              "single-threaded op", RuntimeWarning, stacklevel=2)
+    return _state["module"]
+
+
+def unavailable_reason() -> str | None:
+    kernel()
+    return _state["reason"]
+
+
+@contextlib.contextmanager
+def torch_op_only():
+    """Within it, newly packed matrices use torch's single-threaded op (benchmarks' baseline)."""
+    _state["off"] = True
+    try:
+        yield
+    finally:
+        _state["off"] = False
