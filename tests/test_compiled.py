@@ -83,3 +83,30 @@ def test_compiled_smollm2_greedy_equals_eager(packed_target, head_prompts):
     got = llm.generate(batch, greedy)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert llm.compiled.graphs > 0
+
+
+def test_shared_compiled_forward_is_one_per_model():
+    """Every LLM over one model uses one compiled forward (graphs compiled once per process)."""
+    a, b = tiny_llama(48, 32, 1, seed=1), tiny_llama(48, 32, 1, seed=2)
+    assert CompiledForward.shared(a) is CompiledForward.shared(a)
+    assert CompiledForward.shared(a) is not CompiledForward.shared(b)
+    assert CompiledForward.shared(a).model is a
+
+
+def test_multi_token_forwards_share_one_graph(tiny):
+    """Prefill and verify forwards of any length reuse one graph (no recompile per new length)."""
+    model, compiled = tiny
+    with torch.inference_mode():
+        cache = KVCache.for_model(model.cfg, 1, 192)
+        n = 0
+        for t in (5, 3, 7, 2, 9):
+            toks = torch.randint(0, 48, (1, t))
+            pos = torch.arange(n, n + t)[None]
+            want = model(toks, pos, cache, kv_len=cache.kv_len([0], t)).logits
+            got = compiled(toks, pos, cache, kv_len=cache.kv_len([0], t)).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            if t == 5:
+                graphs = compiled.graphs
+            cache.advance([0], t)
+            n += t
+    assert compiled.graphs == graphs

@@ -303,7 +303,8 @@ def time_round_robin(calls: dict, reps: int = 7, warmup: int = 1) -> dict:
 
 
 def cost_key(target, head_folder: str | Path, kind: str) -> str:
-    """Machine, torch, threads, model, weights and head: what the costs depend on."""
+    """Machine, torch, threads, OpenMP wait policy, model, weights (and their kernel) and head:
+    what the costs depend on."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -311,11 +312,16 @@ def cost_key(target, head_folder: str | Path, kind: str) -> str:
     except OSError:
         pass
     model = next(target.model.parameters())
+    # the matmul kernel and OpenMP's wait policy change every cost (a thread hand-off is ~50 us
+    # under PASSIVE): the packed modules' backend and the policy are part of the key
+    backends = sorted({getattr(m, "backend", "") for m in target.model.modules() if hasattr(m, "backend")})
+    omp = os.environ.get("OMP_WAIT_POLICY", "default")
     head = Path(head_folder)
     stamp = [str(head.resolve())] + [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}"
                                      for p in sorted(head.glob("*")) if p.is_file()]
     parts = [cpu, str(os.cpu_count()), torch.__version__, str(torch.get_num_threads()), str(target.name),
-             str(getattr(target, "weights", "")), str(model.dtype), str(model.device), kind,
+             str(getattr(target, "weights", "")) + "/" + "+".join(b for b in backends if b), f"omp={omp}",
+             str(model.dtype), str(model.device), kind,
              hashlib.sha1("|".join(stamp).encode()).hexdigest()[:12]]
     return "|".join(parts)
 

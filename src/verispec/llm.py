@@ -114,7 +114,7 @@ class LLM:
         self.compiled = None
         if compile:
             from .models.compiled import CompiledForward
-            self.compiled = CompiledForward(self.target.model)
+            self.compiled = CompiledForward.shared(self.target.model)
         self.spec = SpeculativeConfig.from_dict(speculative_config)
         self.acceptance = self.spec.acceptance() if self.spec else LOSSLESS
         self._make_drafter = build_drafter_factory(self.spec, self.target) if self.spec else None

@@ -12,12 +12,16 @@ Contract
 - Compiled are the forwards on rows ``0..B-1`` (a batch decoded together from its start) with a
   ``kv_len``; any other call (other rows, no ``kv_len``) runs the eager model, counted in
   ``eager_calls``. Shapes: ``dynamic=None`` (a size that changes is recompiled once as dynamic),
-  so a run compiles a handful of graphs; past torch's recompile limit dynamo itself falls back to
+  with the token count of a forward over several tokens marked dynamic from the start (one graph
+  for one token, one for every prefill and verify size), so a run compiles a handful of graphs; past torch's recompile limit dynamo itself falls back to
   eager. A call that compiles is run once more with ``kv_len`` one bucket away, so the graph that
   serves every cache length is compiled then, not at the next bucket; the K/V tensors' slot
   dimension is marked dynamic, so the next engine's cache (sized to its prompts) reuses the graphs.
 - Compilation is paid once per process (and cached on disk by inductor across processes):
   ``compile_s`` sums the wall time of the calls that compiled, ``graphs`` counts them.
+  ``CompiledForward.shared(model)`` is the one instance per model that every ``LLM`` over it
+  uses, so a second engine (another method in a benchmark, vanilla beside speculation) reuses the
+  graphs instead of compiling them again.
 - Generated kernels run on one thread (``cpp.threads=1``): on 2 cores, waking a second thread for
   a 576-wide loop cost more than the loop (measured: 16.5 vs 19.9 ms per SmolLM2 decode step).
 """
@@ -49,6 +53,15 @@ class CompiledForward:
         self.eager_calls = 0
         self._caches: weakref.WeakSet = weakref.WeakSet()
 
+    _shared: "weakref.WeakKeyDictionary[Transformer, CompiledForward]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def shared(cls, model: Transformer) -> "CompiledForward":
+        """The process's compiled forward of ``model`` (made on first use)."""
+        if model not in cls._shared:
+            cls._shared[model] = cls(model)
+        return cls._shared[model]
+
     def _mark(self, cache) -> None:
         """Each engine sizes its cache to its prompts: the slot dimension of the K/V tensors is
         marked dynamic before the first compile, so a new cache does not recompile."""
@@ -56,6 +69,21 @@ class CompiledForward:
             for t in (*cache.k, *cache.v):
                 torch._dynamo.mark_dynamic(t, 2)
             self._caches.add(cache)
+
+    @staticmethod
+    def _mark_length(tokens, positions, attn_mask) -> None:
+        """A forward over T > 1 tokens (prefill, verification) is compiled for any T at once: the
+        next prompt or tree of another size reuses the graph instead of recompiling it in the
+        middle of a run (one token stays its own, static graph)."""
+        t = int(tokens.shape[1])
+        if t <= 1:
+            return
+        torch._dynamo.maybe_mark_dynamic(tokens, 1)
+        torch._dynamo.maybe_mark_dynamic(positions, 1)
+        if attn_mask is not None:
+            for d in range(1, attn_mask.dim()):
+                if attn_mask.shape[d] == t:
+                    torch._dynamo.maybe_mark_dynamic(attn_mask, d)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, *, attn_mask=None,
                  rows=None, hidden_layers: tuple[int, ...] = (), kv_len: int | None = None) -> ModelOutput:
@@ -67,6 +95,7 @@ class CompiledForward:
             return self.model(tokens, positions, cache, attn_mask=attn_mask, rows=rows,
                               hidden_layers=hidden_layers, kv_len=kv_len)
         self._mark(cache)
+        self._mark_length(tokens, positions, attn_mask)
         before, t0 = _graphs(), time.perf_counter()
         run = lambda n: self._fn(tokens, positions, cache, attn_mask=attn_mask,  # noqa: E731
                                  hidden_layers=tuple(hidden_layers), kv_len=n)
