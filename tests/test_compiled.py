@@ -110,3 +110,26 @@ def test_multi_token_forwards_share_one_graph(tiny):
             cache.advance([0], t)
             n += t
     assert compiled.graphs == graphs
+
+
+def test_speculative_compiles_the_verify_graph_with_the_first():
+    """With ``speculative`` set, the first one-token call also compiles the multi-token graph:
+    a later verify forward compiles nothing."""
+    torch._dynamo.reset()                                 # no graph left by earlier tests
+    model = tiny_llama(40, 32, 1, seed=5).fuse_()
+    compiled = CompiledForward(model)
+    compiled.speculative = True
+    with torch.inference_mode():
+        cache = KVCache.for_model(model.cfg, 1, 128)
+        model(torch.randint(0, 40, (1, 6)), torch.arange(6)[None], cache)
+        cache.advance([0], 6)
+        one = torch.ones(1, 1, 1, dtype=torch.bool)
+        compiled(torch.tensor([[3]]), torch.tensor([[6]]), cache, attn_mask=one, kv_len=cache.kv_len([0], 1))
+        graphs = compiled.graphs
+        mask = torch.ones(3, 3, dtype=torch.bool).tril()[None]
+        got = compiled(torch.tensor([[3, 4, 5]]), torch.tensor([[6, 7, 8]]), cache, attn_mask=mask,
+                       kv_len=cache.kv_len([0], 3)).logits
+        want = model(torch.tensor([[3, 4, 5]]), torch.tensor([[6, 7, 8]]), cache, attn_mask=mask,
+                     kv_len=cache.kv_len([0], 3)).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert compiled.graphs == graphs and graphs >= 2

@@ -116,6 +116,8 @@ class LLM:
             from .models.compiled import CompiledForward
             self.compiled = CompiledForward.shared(self.target.model)
         self.spec = SpeculativeConfig.from_dict(speculative_config)
+        if self.compiled is not None and self.spec is not None:
+            self.compiled.speculative = True
         self.acceptance = self.spec.acceptance() if self.spec else LOSSLESS
         self._make_drafter = build_drafter_factory(self.spec, self.target) if self.spec else None
         # the tree a head's default config chose from measured costs (draft_shape.ShapeChoice)

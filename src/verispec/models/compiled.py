@@ -21,7 +21,9 @@ Contract
   ``compile_s`` sums the wall time of the calls that compiled, ``graphs`` counts them.
   ``CompiledForward.shared(model)`` is the one instance per model that every ``LLM`` over it
   uses, so a second engine (another method in a benchmark, vanilla beside speculation) reuses the
-  graphs instead of compiling them again.
+  graphs instead of compiling them again. With ``speculative`` set (an ``LLM`` with a
+  ``speculative_config`` sets it), compiling the one-token graph also compiles the multi-token
+  (verify) graph, so drafting never compiles in the middle of a run.
 - Generated kernels run on one thread (``cpp.threads=1``): on 2 cores, waking a second thread for
   a 576-wide loop cost more than the loop (measured: 16.5 vs 19.9 ms per SmolLM2 decode step).
 """
@@ -51,6 +53,7 @@ class CompiledForward:
         self.compile_s = 0.0
         self.graphs = 0
         self.eager_calls = 0
+        self.speculative = False      # set by an LLM that speculates: compile the verify graph early
         self._caches: weakref.WeakSet = weakref.WeakSet()
 
     _shared: "weakref.WeakKeyDictionary[Transformer, CompiledForward]" = weakref.WeakKeyDictionary()
@@ -108,7 +111,20 @@ class CompiledForward:
                 run(kv_len + KV_GRANULE)
             self.compile_s += time.perf_counter() - t0
             self.graphs += _graphs() - before
+            if self.speculative and tokens.shape[1] == 1 and attn_mask is not None:
+                self._compile_verify_twin(tokens, positions, cache, attn_mask, tuple(hidden_layers))
         return out
+
+    def _compile_verify_twin(self, tokens, positions, cache, attn_mask, hidden_layers) -> None:
+        """After the one-token graph, compile the multi-token (verify) graph at once, with a
+        two-token chain on the same rows: the first draft is then not compiled inside a timed
+        step. Its K/V land in scratch slots past every row's length, which the engine overwrites."""
+        b = int(tokens.shape[0])
+        if max(cache.lengths_of(list(range(b))), default=0) + 2 > cache.max_len:
+            return
+        mask = torch.ones(2, 2, dtype=attn_mask.dtype, device=attn_mask.device).tril().expand(b, 2, 2)
+        self(tokens.repeat(1, 2), torch.cat([positions, positions + 1], dim=1), cache, attn_mask=mask,
+             hidden_layers=hidden_layers, kv_len=cache.kv_len(list(range(b)), 2))
 
     def describe(self) -> str:
         return (f"compiled forward: {self.graphs} graph(s), {self.compile_s:.1f} s compiling "

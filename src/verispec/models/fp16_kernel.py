@@ -8,7 +8,9 @@ over the same inputs, so products are bit-identical whatever the thread count, a
 
 Contract
 - ``kernel()`` returns the compiled module (``pack(weight) -> (buffer, meta)``,
-  ``linear(x, buffer, meta, bias, max_threads)``) or ``None`` where it cannot be had (no C++
+  ``linear(x, buffer, meta, bias, max_threads)``; the same product is the dispatcher op
+  ``torch.ops.verispec_fp16.linear(x, buffer, meta, bias, max_threads, out_features)``, which a
+  compiled graph calls) or ``None`` where it cannot be had (no C++
   compiler, no FBGEMM, ``VERISPEC_FP16_KERNEL=torch``); ``unavailable_reason()`` says why. The
   first call compiles it with ``torch.utils.cpp_extension`` (about 25 s, once per machine: the
   build is cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``), under a file lock, so
@@ -52,6 +54,13 @@ def _build():
                 verbose=False)
 
 
+def _register_fake() -> None:
+    """Output shape of ``torch.ops.verispec_fp16.linear`` for torch.compile's tracing."""
+    @torch.library.register_fake("verispec_fp16::linear")
+    def _(x, buf, meta, bias, max_threads, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+
 def kernel():
     """The compiled op module, or ``None`` (see ``unavailable_reason``). Built once per process."""
     if _state.get("off"):
@@ -65,6 +74,7 @@ def kernel():
         else:
             try:
                 _state["module"] = _build()
+                _register_fake()
             except Exception as e:                       # no compiler, headers, ninja: fall back
                 lines = str(e).strip().splitlines() or [type(e).__name__]
                 why = next((ln for ln in lines if "error" in ln.lower()), lines[-1])
