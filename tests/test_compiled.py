@@ -71,6 +71,16 @@ def test_compiled_engine_greedy_equals_eager(tiny):
     graphs = compiled.graphs
     assert run(compiled, max_len=80) == eager                 # another cache size: the same graphs
     assert compiled.graphs == graphs
+    # a longer prompt in a bigger cache (kv_len past the first cache's size): still no recompile
+    long_prompts = [[(7 * i + j) % 48 for i in range(110)] for j in range(2)]
+
+    def run_long(forward):
+        engine = Engine(model, None, max_batch=2, max_len=200, forward=forward)   # kv_len < max_len
+        seqs = [Sequence(prompt_ids=p, params=params) for p in long_prompts]
+        engine.run(seqs)
+        return [s.output_ids for s in seqs]
+    assert run_long(compiled) == run_long(None)
+    assert compiled.graphs == graphs
 
 
 @pytest.mark.slow

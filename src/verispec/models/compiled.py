@@ -23,7 +23,9 @@ Contract
   uses, so a second engine (another method in a benchmark, vanilla beside speculation) reuses the
   graphs instead of compiling them again. With ``speculative`` set (an ``LLM`` with a
   ``speculative_config`` sets it), compiling the one-token graph also compiles the multi-token
-  (verify) graph, so drafting never compiles in the middle of a run.
+  (verify) graph, so drafting never compiles in the middle of a run. One more graph is compiled
+  the first time ``kv_len`` equals the cache's whole size (the K/V read is then contiguous, which
+  the graphs are specialised on).
 - Generated kernels run on one thread (``cpp.threads=1``): on 2 cores, waking a second thread for
   a 576-wide loop cost more than the loop (measured: 16.5 vs 19.9 ms per SmolLM2 decode step).
 """

@@ -217,9 +217,14 @@ def _cache_shape(cache: KVCache, rows: Rows | None, b: int, t: int, kv_len: int 
         lengths = cache.lengths[select]
         cache.check_room(range(b) if rows is None else rows, t)
         return index, select, lengths, int(lengths.max()) + t
+    if torch.compiler.is_compiling():
+        # no host checks in a graph: reading the cache's size would specialise the graph on it,
+        # recompiling it for every engine (each sizes its cache to its prompts); the caller's
+        # KVCache.kv_len already bounded kv_len by the cache
+        return index, select, cache.lengths[select], kv_len
     if kv_len > cache.max_len:
         raise CacheFullError(f"KV cache holds {cache.max_len} slots per sequence, kv_len {kv_len} asked")
-    if not torch.compiler.is_compiling() and not on_device:
+    if not on_device:
         need = max(cache.lengths_of(range(b) if rows is None else rows)) + t
         if need > kv_len:
             raise ValueError(f"kv_len {kv_len} is below the {need} slots this forward attends")
