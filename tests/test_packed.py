@@ -174,7 +174,7 @@ def test_torch_op_only_context_and_env_fall_back():
     """Benchmarks' baseline: matrices packed inside ``torch_op_only()`` use torch's op."""
     with fp16_kernel.torch_op_only():
         assert PackedFP16Linear(nn.Linear(8, 8)).backend == "torch"
-        with pytest.raises(RuntimeError, match="unavailable"):
+        with pytest.raises(RuntimeError, match="unavailable: inside torch_op_only"):
             PackedFP16Linear(nn.Linear(8, 8), backend="threaded")
 
 

@@ -13,8 +13,8 @@ Contract
   ``kv_len``; any other call (other rows, no ``kv_len``) runs the eager model, counted in
   ``eager_calls``. Shapes: ``dynamic=None`` (a size that changes is recompiled once as dynamic),
   with the token count of a forward over several tokens marked dynamic from the start (one graph
-  for one token, one for every prefill and verify size), so a run compiles a handful of graphs; past torch's recompile limit dynamo itself falls back to
-  eager. A call that compiles is run once more with ``kv_len`` one bucket away, so the graph that
+  for one token, one for every prefill and verify size), so a run compiles a handful of graphs;
+  past torch's recompile limit dynamo itself falls back to eager. A call that compiles is run once more with ``kv_len`` one bucket away, so the graph that
   serves every cache length is compiled then, not at the next bucket; the K/V tensors' slot
   dimension is marked dynamic, so the next engine's cache (sized to its prompts) reuses the graphs.
 - Compilation is paid once per process (and cached on disk by inductor across processes):

@@ -67,9 +67,10 @@ def fp16_packing_available() -> bool:
 # 73 -> 39 us; the 49152x576 LM head 1.47 -> 0.92 ms at T = 1).
 _OMP_PASSIVE = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
-# torch's FBGEMM fp16 GEMM (the fallback) runs on one thread. A large matrix is packed as two halves of its output
-# columns, computed on two threads when torch may use two or more: every output element is the
-# same kernel over the same inputs, so the result is bit-identical to the unsplit product.
+# torch's FBGEMM fp16 GEMM (the fallback) runs on one thread. A large matrix is packed as two
+# halves of its output columns, computed on two threads when torch may use two or more: every
+# output element is the same kernel over the same inputs, so the result is bit-identical to the
+# unsplit product.
 # Measured on the 2-core AMD EPYC (benchmarks/results/spec_core.analysis.md): with 12 MB the Qwen
 # 1.5B one-token forward went 258 -> 172 ms and the 0.5B one 88 -> 68 ms; at 24 MB 186 / 73 ms, at
 # 6 MB the hand-off (~0.15 ms) ate the gain on the smaller matrices.
@@ -158,16 +159,16 @@ class PackedFP16Linear(nn.Module):
         self.backend = "threaded" if ext is not None else "torch"
         self._packs: list[torch.Tensor] = []
         self._biases: list[torch.Tensor] = []
+        big = w.numel() * 2 >= SPLIT_MIN_BYTES           # fp16 bytes: worth a second thread anywhere
         if ext is not None:
             self._buf, self._meta = ext.pack(w.contiguous())
             self._linear = ext.linear                    # the pybind entry: the cheapest eager call
             self._bias = linear.bias.detach().contiguous() if linear.bias is not None else None
-            big = w.numel() * 2 >= SPLIT_MIN_BYTES
             self._max_threads = 1 if (_OMP_PASSIVE and not big) else 1 << 16   # capped by torch's
             return
         bias = (linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features, device="cpu"))
         half = (self.out_features // 2) // _SPLIT_ALIGN * _SPLIT_ALIGN
-        if w.numel() * 2 >= SPLIT_MIN_BYTES and half > 0:
+        if big and half > 0:
             parts = [(_pack(w[:half]), bias[:half].contiguous()), (_pack(w[half:]), bias[half:].contiguous())]
         else:
             parts = [(_pack(w), bias)]
