@@ -66,11 +66,10 @@ def kernel():
     if _state.get("off"):
         return None
     if "module" not in _state:
-        from .packed import fp16_packing_available    # packed imports this module
         _state["module"], _state["reason"] = None, None
         if os.environ.get(ENV, "").lower() == "torch":
             _state["reason"] = f"{ENV}=torch"
-        elif not fp16_packing_available():
+        elif torch.backends.cpu.get_cpu_capability() == "DEFAULT" or not hasattr(torch, "fbgemm_pack_gemm_matrix_fp16"):
             _state["reason"] = "no FBGEMM fp16 kernels in this torch build / CPU"
         else:
             try:
