@@ -143,3 +143,26 @@ def test_speculative_compiles_the_verify_graph_with_the_first():
                      kv_len=cache.kv_len([0], 3)).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert compiled.graphs == graphs and graphs >= 2
+
+
+def test_first_compile_on_a_full_cache_serves_other_caches():
+    """The first graphs compiled while the forward attends every slot of its cache (prompt and
+    answer fill it) still serve caches of other sizes: ``KVCache`` keeps a spare slot, so the K/V
+    read is never the whole slot dimension (without it dynamo specialised the slot dimension, and
+    the next cache failed: a ConstraintViolationError or a recompile in a timed run)."""
+    torch._dynamo.reset()                                 # this must be the first compile
+    model = tiny_llama(48, 32, 2, seed=4).fuse_()
+    compiled = CompiledForward(model)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(forward, prompt_len, max_len):
+        engine = Engine(model, None, max_batch=2, max_len=max_len, forward=forward)
+        seqs = [Sequence(prompt_ids=[(3 * i + j) % 48 for i in range(prompt_len)], params=params)
+                for j in range(2)]
+        engine.run(seqs)
+        return [s.output_ids for s in seqs]
+    assert run(compiled, 40, 64) == run(None, 40, 64)      # 40 + 24 tokens: kv_len reaches 64
+    graphs = compiled.graphs
+    for prompt_len, max_len in ((50, 90), (100, 140), (30, 54)):
+        assert run(compiled, prompt_len, max_len) == run(None, prompt_len, max_len)
+    assert compiled.graphs == graphs

@@ -14,8 +14,9 @@ Contract
   ``eager_calls``. Shapes: ``dynamic=None`` (a size that changes is recompiled once as dynamic),
   with the token count of a forward over several tokens marked dynamic from the start (one graph
   for one token, one for every prefill and verify size), so a run compiles a handful of graphs;
-  past torch's recompile limit dynamo itself falls back to eager. A call that compiles is run once more with ``kv_len`` one bucket away, so the graph that
-  serves every cache length is compiled then, not at the next bucket; the K/V tensors' slot
+  past torch's recompile limit dynamo itself falls back to eager. A call that compiles is run
+  once more with ``kv_len`` one bucket larger (on a scratch cache when its own is too short), so
+  the graph that serves every cache length is compiled then, not at the next bucket; the K/V tensors' slot
   dimension is marked dynamic, so the next engine's cache (sized to its prompts) reuses the graphs.
 - Compilation is paid once per process (and cached on disk by inductor across processes):
   ``compile_s`` sums the wall time of the calls that compiled, ``graphs`` counts them.
@@ -36,7 +37,7 @@ import weakref
 
 import torch
 
-from .kv_cache import KV_GRANULE
+from .kv_cache import KV_GRANULE, KVCache
 from .transformer import ModelOutput, Transformer
 
 CPU_OPTIONS = {"cpp.threads": 1}
@@ -109,13 +110,27 @@ class CompiledForward:
             # a new shape: compile its dynamic-length twin now (same call, another bucket; the
             # forward only writes scratch slots, so running it twice changes nothing) rather than
             # at the next kv_len bucket, in the middle of a timed run
-            if kv_len + KV_GRANULE <= cache.max_len:          # more slots, masked: the same logits
-                run(kv_len + KV_GRANULE)
+            self._compile_twin(tokens, positions, cache, attn_mask, tuple(hidden_layers), kv_len)
             self.compile_s += time.perf_counter() - t0
             self.graphs += _graphs() - before
             if self.speculative and tokens.shape[1] == 1 and attn_mask is not None:
                 self._compile_verify_twin(tokens, positions, cache, attn_mask, tuple(hidden_layers))
         return out
+
+    def _compile_twin(self, tokens, positions, cache, attn_mask, hidden_layers, kv_len) -> None:
+        """Run the call again with ``kv_len`` one bucket larger (more slots, masked: the same
+        logits), so dynamo compiles the graph for any ``kv_len`` now. A cache too short for that
+        bucket is stood in for by a scratch cache of the same layout with the same lengths (its
+        K/V values do not matter: the output is dropped)."""
+        twin = kv_len + KV_GRANULE
+        if twin > cache.max_len:
+            spare = KVCache(len(cache.k), cache.max_batch, cache.k[0].shape[1], twin,
+                            cache.k[0].shape[3], cache.k[0].dtype, cache.device)
+            rows = list(range(cache.max_batch))
+            spare.advance(rows, cache.lengths_of(rows))
+            self._mark(spare)
+            cache = spare
+        self._fn(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=hidden_layers, kv_len=twin)
 
     def _compile_verify_twin(self, tokens, positions, cache, attn_mask, hidden_layers) -> None:
         """After the one-token graph, compile the multi-token (verify) graph at once, with a

@@ -1,7 +1,10 @@
 """Static KV cache: preallocated, indexed by absolute slot, one length per sequence row.
 
 Contract
-- ``k[layer]`` and ``v[layer]`` have shape ``[max_batch, num_kv_heads, max_len, head_dim]``.
+- ``k[layer]`` and ``v[layer]`` have shape ``[max_batch, num_kv_heads, max_len + 1, head_dim]``:
+  ``max_len`` slots a sequence may use and one spare that nothing reads. A forward attends at most
+  ``max_len`` slots, so its K/V read is never the whole slot dimension, and a compiled graph is
+  never specialised on "reads every slot" (which recompiled it when a prompt filled its cache).
 - ``lengths[row]`` is the number of committed slots of that row. Slots ``>= lengths[row]`` hold
   scratch data (draft-tree nodes, padding) that no later query sees unless committed.
 - A forward writes its T new tokens into slots ``lengths[row] .. lengths[row] + T - 1``; it does
@@ -45,7 +48,7 @@ def bucket_len(n: int, max_len: int, granule: int = KV_GRANULE) -> int:
 class KVCache:
     def __init__(self, num_layers: int, max_batch: int, num_kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        shape = (max_batch, num_kv_heads, max_len, head_dim)
+        shape = (max_batch, num_kv_heads, max_len + 1, head_dim)     # + 1 spare slot: see above
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         with torch.inference_mode(False):             # a normal tensor: it has a version counter
@@ -179,7 +182,8 @@ class KVCache:
         has = cnt[:, None] > 0
         dst = torch.where(has, start[:, None] + jj, 0)
         src = torch.where(has, start[:, None] + keep.gather(1, jj), 0)
-        base = (index[:, None, None] * heads + torch.arange(heads, device=self.device)) * self.max_len  # [B,1,H]
+        stride = self.k[0].shape[2]                                  # physical slots per head
+        base = (index[:, None, None] * heads + torch.arange(heads, device=self.device)) * stride  # [B,1,H]
         src, dst = (base + src[:, :, None]).reshape(-1), (base + dst[:, :, None]).reshape(-1)
         for t in (*self.k, *self.v):
             flat = t.view(-1, dim)
