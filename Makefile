@@ -101,7 +101,7 @@ bench-llamacpp: $(VENV)/.llamacpp
 
 # The quality cost of each weights option against fp32 (perplexity, greedy agreement).
 bench-weights: sharegpt
-	$(BIN)/python benchmarks/weights_quality.py --model smollm2-135m --weights fp16,int4
+	$(BIN)/python benchmarks/weights_quality.py --model smollm2-135m --weights fp16,int4,int8
 
 bench-heads: $(STAMP)
 	$(BIN)/python benchmarks/trained_heads.py

@@ -3,7 +3,7 @@ same GGUF (#20): every variant in a worker process of its own (so each has its o
 settings), the variants run on each prompt in turn (order rotated per prompt), one at a time.
 
 Variants (``--variants``): ``WEIGHTS[+compile][@legacy]`` with WEIGHTS ``fp16`` (fp16-packed),
-``int4`` or ``dense``; ``+compile`` compiles the step; ``@legacy`` is the path shipped before the
+``int4``, ``int8`` or ``dense``; ``+compile`` compiles the step; ``@legacy`` is the path shipped before the
 threaded fp16 kernel: torch's single-threaded FBGEMM op and ``OMP_WAIT_POLICY=PASSIVE`` (the
 issue's "today"). Without ``@legacy`` a variant runs with the threaded fp16 op and OpenMP's default
 wait policy (spin a while, then sleep). ``llamacpp`` is llama-cpp-python in its worker
@@ -186,7 +186,7 @@ def write_md(res: dict, path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", default="fp16@legacy,fp16,fp16+compile,int4,int4+compile,llamacpp")
+    ap.add_argument("--variants", default="fp16@legacy,fp16,fp16+compile,int4+compile,int8,int8+compile,llamacpp")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)

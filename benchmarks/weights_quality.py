@@ -136,7 +136,7 @@ def write_md(res: dict, path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--weights", default="fp16,int4")
+    ap.add_argument("--weights", default="fp16,int4,int8")
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=64)

@@ -12,46 +12,20 @@ Contract
   ``torch.ops.verispec_fp16.linear(x, buffer, meta, bias, max_threads, out_features)``, which a
   compiled graph calls) or ``None`` where it cannot be had (no C++
   compiler, no FBGEMM, ``VERISPEC_FP16_KERNEL=torch``); ``unavailable_reason()`` says why. The
-  first call compiles it with ``torch.utils.cpp_extension`` (about 25 s, once per machine: the
-  build is cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``), under a file lock, so
-  concurrent processes build it once.
-- FBGEMM's public headers include asmjit only for register types of its code generators, which
-  this op never uses; ``csrc/asmjit`` stands in for them.
+  first call compiles it (``native.build``: about 25 s, once per machine).
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import sys
 import warnings
-from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+from . import native
+
 ENV = "VERISPEC_FP16_KERNEL"          # "torch": use torch's single-threaded op instead
 _state: dict = {}
-
-
-def _ninja_on_path() -> None:
-    """torch's builder runs ``ninja`` from PATH; an un-activated venv has it only in its bin."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
-
-
-def _build():
-    from torch.utils.cpp_extension import load
-    _ninja_on_path()
-    flags = ["-O3", "-fopenmp"]       # at::parallel_for is an OpenMP region compiled into this op
-    return load(name="verispec_fp16_gemm", sources=[str(CSRC / "fp16_gemm.cpp")],
-                extra_include_paths=[str(CSRC)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                verbose=False)
 
 
 def _register_fake() -> None:
@@ -73,12 +47,10 @@ def kernel():
             _state["reason"] = "no FBGEMM fp16 kernels in this torch build / CPU"
         else:
             try:
-                _state["module"] = _build()
+                _state["module"] = native.build("verispec_fp16_gemm", "fp16_gemm.cpp")
                 _register_fake()
             except Exception as e:                       # no compiler, headers, ninja: fall back
-                lines = str(e).strip().splitlines() or [type(e).__name__]
-                why = next((ln for ln in lines if "error" in ln.lower()), lines[-1])
-                _state["reason"] = f"building csrc/fp16_gemm.cpp failed: {why.strip()[:300]}"
+                _state["reason"] = native.failure(e, "fp16_gemm.cpp")
                 warnings.warn(f"verispec: {_state['reason']}; fp16-packed matmuls run torch's "
                               "single-threaded op", RuntimeWarning, stacklevel=2)
     return _state["module"]

@@ -73,7 +73,8 @@ def check_weights(weights: str | WeightFormat, dtype: str | torch.dtype,
     weights = WeightFormat.parse(weights)
     if weights is WeightFormat.DENSE:
         return weights
-    what = {WeightFormat.FP16: "FBGEMM fp16 packing", WeightFormat.INT4: "int4 weight-only packing"}[weights]
+    what = {WeightFormat.FP16: "FBGEMM fp16 packing", WeightFormat.INT4: "int4 weight-only packing",
+            WeightFormat.INT8: "int8 W8A8 packing"}[weights]
     kind = device_type(device)
     if kind != "cpu":
         raise ValueError(f"weights={weights.value!r} ({what}) runs on the CPU only, not on {kind!r}; "
@@ -84,6 +85,10 @@ def check_weights(weights: str | WeightFormat, dtype: str | torch.dtype,
         from .int4 import int4_available
         if not int4_available():
             raise ValueError("weights='int4' needs PyTorch's CPU int4pack kernel, which this build lacks")
+    if weights is WeightFormat.INT8:
+        from .int8 import int8_available, unavailable_reason
+        if not int8_available():
+            raise ValueError(f"weights='int8' needs verispec's int8 kernel: {unavailable_reason()}")
     return weights
 
 
@@ -128,7 +133,8 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32",
                device: str | torch.device | None = "cpu") -> LoadedModel:
     """Resolve ``model`` (known name, GGUF file or HF folder) and load weights and tokenizer.
     ``weights="fp16"``: fp16-packed matmul weights for CPU inference (``packed``; fp32 only);
-    ``weights="int4"``: int4 weight-only decoder layers, fp16-packed LM head (``int4``).
+    ``weights="int4"``: int4 weight-only decoder layers, fp16-packed LM head (``int4``);
+    ``weights="int8"``: int8 weights x per-token int8 activations in the decoder layers (``int8``).
     ``device``: where the weights live (``device.resolve_device``: cpu, auto, cuda, cuda:N...)."""
     weights = check_weights(weights, dtype, device)
     dev = resolve_device(device)
@@ -142,6 +148,8 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32",
         net.pack_fp16_()
     elif weights is WeightFormat.INT4:
         net.pack_int4_()
+    elif weights is WeightFormat.INT8:
+        net.pack_int8_()
     tok = load_tokenizer(src.path, src.format) if with_tokenizer else None
     return LoadedModel(name=src.name, path=src.path, format=src.format, config=cfg, model=net, tokenizer=tok,
                        weights=weights)

@@ -41,11 +41,13 @@ from . import fp16_kernel
 
 
 class WeightFormat(str, enum.Enum):
-    """How the CPU forward's matmul weights are held: as loaded, fp16-packed (this module), or
-    int4 weight-only for the decoder layers with an fp16-packed LM head (``int4``)."""
+    """How the CPU forward's matmul weights are held: as loaded, fp16-packed (this module), or for
+    the decoder layers int4 weight-only (``int4``) or int8 weights with int8 activations per token
+    (``int8``), the LM head fp16-packed in both."""
     DENSE = "dense"
     FP16 = "fp16"
     INT4 = "int4"
+    INT8 = "int8"
 
     @classmethod
     def parse(cls, value: "str | WeightFormat") -> "WeightFormat":

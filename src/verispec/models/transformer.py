@@ -327,6 +327,15 @@ class Transformer(nn.Module):
         pack_fp16_(self, ("lm_head",))
         return self
 
+    def pack_int8_(self) -> "Transformer":
+        """int8 weights with per-token int8 activations in every decoder layer (``int8``), the LM
+        head fp16-packed (drafters read through its rows)."""
+        from .int8 import pack_int8_
+        from .packed import pack_fp16_
+        pack_int8_(self, self._layer_matmuls())
+        pack_fp16_(self, ("lm_head",))
+        return self
+
     def _layer_matmuls(self) -> tuple[str, ...]:
         """Dotted names of the fused forward's matmuls in the decoder layers (fusing them first
         where that has not been done)."""
