@@ -48,8 +48,19 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _no_autograd_cache() -> None:
+    """AOTAutograd's on-disk cache restores a graph with the value-range guards of the process
+    that wrote it (``2 <= kv_len <= 183``: that run's cache size), so the next process recompiled
+    in the middle of a run as soon as a prompt's cache was larger (10 s in a timed prompt).
+    Turned off for the process; inductor's own kernel cache stays on (compiling takes ~25 s
+    instead of ~15 s on SmolLM2, once per process, and never again mid-run)."""
+    import torch._functorch.config as functorch_config
+    functorch_config.enable_autograd_cache = False
+
+
 class CompiledForward:
     def __init__(self, model: Transformer):
+        _no_autograd_cache()
         self.model = model
         cpu = next(model.parameters()).device.type == "cpu"
         self._fn = torch.compile(model.forward, dynamic=None, options=CPU_OPTIONS if cpu else None)
