@@ -96,8 +96,10 @@ llamacpp: $(VENV)/.llamacpp
 bench-llamacpp: $(VENV)/.llamacpp
 	$(BIN)/python benchmarks/decode_speed.py --model smollm2-135m --per-category 2 --max-tokens 128
 	$(BIN)/verispec bench --model smollm2-135m --weights fp16 --threads 2 --per-category 2 --max-tokens 128 \
-	  --compile --methods vanilla,ngram,eagle3,llamacpp,llamacpp-pld --name llamacpp-smollm2 \
-	  --out benchmarks/results/spec_bench/llamacpp_smollm2
+	  --compile --methods vanilla,ngram,ngram-x1,ngram3,eagle3,llamacpp,llamacpp-pld \
+	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
+	  --method-config 'ngram3={"method":"ngram","num_speculative_tokens":3}' \
+	  --name llamacpp-smollm2 --out benchmarks/results/spec_bench/llamacpp_smollm2
 
 # The quality cost of each weights option against fp32 (perplexity, greedy agreement).
 bench-weights: sharegpt

@@ -5,8 +5,10 @@ head) with random weights of the model's shapes, at T = 1 (decoding) and T = 2, 
 sizes), 2 threads, one module per matrix (cycled, so no weight stays in cache between uses).
 Kernels timed, in turns within each repetition (fastest repetition reported):
 - ``fp32``: dense ``F.linear`` (MKL / oneDNN sgemm, all threads);
-- ``fp16-packed``: verispec's ``PackedFP16Linear`` (FBGEMM fp16 weights, fp32 activations;
-  single-threaded except matrices of 12 MB and more, split over a second thread);
+- ``fp16-packed``: verispec's ``PackedFP16Linear`` (FBGEMM fp16 weights, fp32 activations, over
+  all threads through ``csrc/fp16_gemm.cpp`` where it builds);
+- ``int8-w8a8``: verispec's ``PackedInt8Linear`` (``csrc/int8_gemm.cpp``: int8 weights, each
+  token's activations quantised to uint8 on its own, exact int32 sums with AVX-512 VNNI or AVX2);
 - ``int8-dynamic``: ``torch.ao`` dynamic quantisation (FBGEMM ``quantized::linear_dynamic``,
   per-channel int8 weights, activations quantised per call);
 - ``int8-rowwise``: ``torch._int_mm`` (int8 x int8 -> int32, exact) on per-channel int8 weights
@@ -73,6 +75,14 @@ def int8_dynamic(w):
     return quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear: per_channel_dynamic_qconfig})
 
 
+def int8_w8a8(w):
+    """verispec's own W8A8 op (``models.int8``): per-token uint8 activations, exact int32 sums."""
+    from verispec.models.int8 import PackedInt8Linear
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data.copy_(w)
+    return PackedInt8Linear(lin)
+
+
 class Int8Rowwise(torch.nn.Module):
     def __init__(self, w):
         super().__init__()
@@ -111,7 +121,7 @@ class Int4WeightOnly(torch.nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), self.w, self.group, self.sz).float()
 
 
-KERNELS = {"fp32": Fp32, "fp16-packed": fp16_packed, "int8-dynamic": int8_dynamic,
+KERNELS = {"fp32": Fp32, "fp16-packed": fp16_packed, "int8-w8a8": int8_w8a8, "int8-dynamic": int8_dynamic,
            "int8-rowwise": Int8Rowwise, "int8-weight-only": Int8WeightOnly, "int4-weight-only": Int4WeightOnly, "bf16": Bf16}
 
 

@@ -166,3 +166,28 @@ def test_first_compile_on_a_full_cache_serves_other_caches():
     for prompt_len, max_len in ((50, 90), (100, 140), (30, 54)):
         assert run(compiled, prompt_len, max_len) == run(None, prompt_len, max_len)
     assert compiled.graphs == graphs
+
+
+def test_speculative_compiles_the_one_token_graph_with_the_first_verify():
+    """The other way round: a drafter whose every step verifies a tree (EAGLE-3) compiles its first
+    multi-token graph; a later step with an empty tree (one token, with a mask and the same hidden
+    layers) must not compile inside a timed run."""
+    torch._dynamo.reset()
+    model = tiny_llama(40, 32, 2, seed=6).fuse_()
+    compiled = CompiledForward(model)
+    compiled.speculative = True
+    with torch.inference_mode():
+        cache = KVCache.for_model(model.cfg, 1, 128)
+        model(torch.randint(0, 40, (1, 6)), torch.arange(6)[None], cache)
+        cache.advance([0], 6)
+        mask = torch.ones(3, 3, dtype=torch.bool).tril()[None]
+        compiled(torch.tensor([[3, 4, 5]]), torch.tensor([[6, 7, 8]]), cache, attn_mask=mask,
+                 hidden_layers=(0, 1), kv_len=cache.kv_len([0], 3))
+        graphs = compiled.graphs
+        one = torch.ones(1, 1, 1, dtype=torch.bool)
+        got = compiled(torch.tensor([[3]]), torch.tensor([[6]]), cache, attn_mask=one, hidden_layers=(0, 1),
+                       kv_len=cache.kv_len([0], 1))
+        want = model(torch.tensor([[3]]), torch.tensor([[6]]), cache, attn_mask=one, hidden_layers=(0, 1),
+                     kv_len=cache.kv_len([0], 1))
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    assert compiled.graphs == graphs and graphs >= 2
