@@ -84,3 +84,22 @@ def tiny_head_config(kind, vocab: int, hidden: int, layers: int, **overrides):
                 vocab_size=vocab, draft_vocab_size=vocab, target_hidden_size=hidden, target_num_layers=layers,
                 aux_layer_ids=EagleHeadConfig.default_aux_layer_ids(layers) if eagle3 else ())
     return EagleHeadConfig(**(base | overrides))
+
+
+def assert_packed_twin(pack: str, kind: type, tol: float) -> None:
+    """A tiny model packed by ``Transformer.<pack>`` (decoder matmuls of type ``kind``, the LM head
+    fp16-packed) computes its dense twin's logits (the same, dequantised weights) within ``tol``."""
+    import copy
+    from verispec.models.packed import PackedFP16Linear
+    dense = tiny_llama(64, 32, 3).fuse_()
+    packed = getattr(copy.deepcopy(dense), pack)()
+    kinds = {name: type(m) for name, m in packed.named_modules() if isinstance(m, (kind, PackedFP16Linear))}
+    assert kinds["lm_head"] is PackedFP16Linear
+    assert sum(k is kind for k in kinds.values()) == 4 * len(dense.layers)
+    with torch.no_grad():
+        for name, m in packed.named_modules():          # the dense twin: the same (dequantised) weights
+            if isinstance(m, (kind, PackedFP16Linear)):
+                dense.get_submodule(name).weight.copy_(m.weight)
+        ids = torch.randint(0, 64, (2, 12))
+        pos = torch.arange(12).expand(2, 12)
+        torch.testing.assert_close(packed(ids, pos).logits, dense(ids, pos).logits, rtol=tol, atol=tol)

@@ -122,17 +122,25 @@ def test_multi_token_forwards_share_one_graph(tiny):
     assert compiled.graphs == graphs
 
 
-def test_speculative_compiles_the_verify_graph_with_the_first():
-    """With ``speculative`` set, the first one-token call also compiles the multi-token graph:
-    a later verify forward compiles nothing."""
-    torch._dynamo.reset()                                 # no graph left by earlier tests
-    model = tiny_llama(40, 32, 1, seed=5).fuse_()
+def _speculating(layers: int, seed: int):
+    """A fresh tiny model (no graph left by earlier tests), its speculating compiled forward and a
+    cache holding a 6-token prompt."""
+    torch._dynamo.reset()
+    model = tiny_llama(40, 32, layers, seed=seed).fuse_()
     compiled = CompiledForward(model)
     compiled.speculative = True
     with torch.inference_mode():
         cache = KVCache.for_model(model.cfg, 1, 128)
         model(torch.randint(0, 40, (1, 6)), torch.arange(6)[None], cache)
         cache.advance([0], 6)
+    return model, compiled, cache
+
+
+def test_speculative_compiles_the_verify_graph_with_the_first():
+    """With ``speculative`` set, the first one-token call also compiles the multi-token graph:
+    a later verify forward compiles nothing."""
+    model, compiled, cache = _speculating(layers=1, seed=5)
+    with torch.inference_mode():
         one = torch.ones(1, 1, 1, dtype=torch.bool)
         compiled(torch.tensor([[3]]), torch.tensor([[6]]), cache, attn_mask=one, kv_len=cache.kv_len([0], 1))
         graphs = compiled.graphs
@@ -172,14 +180,8 @@ def test_speculative_compiles_the_one_token_graph_with_the_first_verify():
     """The other way round: a drafter whose every step verifies a tree (EAGLE-3) compiles its first
     multi-token graph; a later step with an empty tree (one token, with a mask and the same hidden
     layers) must not compile inside a timed run."""
-    torch._dynamo.reset()
-    model = tiny_llama(40, 32, 2, seed=6).fuse_()
-    compiled = CompiledForward(model)
-    compiled.speculative = True
+    model, compiled, cache = _speculating(layers=2, seed=6)
     with torch.inference_mode():
-        cache = KVCache.for_model(model.cfg, 1, 128)
-        model(torch.randint(0, 40, (1, 6)), torch.arange(6)[None], cache)
-        cache.advance([0], 6)
         mask = torch.ones(3, 3, dtype=torch.bool).tril()[None]
         compiled(torch.tensor([[3, 4, 5]]), torch.tensor([[6, 7, 8]]), cache, attn_mask=mask,
                  hidden_layers=(0, 1), kv_len=cache.kv_len([0], 3))

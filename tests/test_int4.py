@@ -3,18 +3,17 @@ never depends on the other rows, 4-bit blocks survive a second quantisation, gre
 on the int4 target equals vanilla greedy on it, bad input errors."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import assert_same_or_tie, tiny_llama
+from helpers import assert_packed_twin, assert_same_or_tie
 from verispec import LLM, SamplingParams
 from verispec.models.int4 import PackedInt4Linear, int4_available, quantize_int4
 from verispec.models.loading import load_model
-from verispec.models.packed import PackedFP16Linear, WeightFormat
+from verispec.models.packed import WeightFormat
 
 pytestmark = pytest.mark.skipif(not int4_available(), reason="no int4pack CPU kernel here")
 
@@ -66,18 +65,7 @@ def test_a_4bit_grid_is_kept_as_it_is():
 
 
 def test_int4_model_matches_its_dense_twin(single_thread):
-    dense = tiny_llama(64, 32, 3).fuse_()
-    packed = copy.deepcopy(dense).pack_int4_()
-    kinds = {name: type(m) for name, m in packed.named_modules() if isinstance(m, (PackedInt4Linear, PackedFP16Linear))}
-    assert kinds["lm_head"] is PackedFP16Linear
-    assert sum(k is PackedInt4Linear for k in kinds.values()) == 4 * len(dense.layers)
-    with torch.no_grad():
-        for name, m in packed.named_modules():          # the dense twin: the same (dequantised) numbers
-            if isinstance(m, (PackedInt4Linear, PackedFP16Linear)):
-                dense.get_submodule(name).weight.copy_(m.weight)
-        ids = torch.randint(0, 64, (2, 12))
-        pos = torch.arange(12).expand(2, 12)
-        torch.testing.assert_close(packed(ids, pos).logits, dense(ids, pos).logits, rtol=0.02, atol=0.02)
+    assert_packed_twin("pack_int4_", PackedInt4Linear, 0.02)
 
 
 def test_bad_int4_input_is_rejected():

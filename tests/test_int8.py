@@ -4,7 +4,6 @@ rows nor on the thread count, on the AVX-512 VNNI path and on the AVX2 one; a va
 each prompt alone; speculation is refused (why: measured here); bad input errors."""
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -14,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import tiny_llama
+from helpers import assert_packed_twin
 from verispec import LLM, SamplingParams
 from verispec.models import int8
 from verispec.models.int8 import PackedInt8Linear, int8_available, quantize_int8
 from verispec.models.loading import load_model
-from verispec.models.packed import PackedFP16Linear, WeightFormat
+from verispec.models.packed import WeightFormat
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="no int8 kernel here (needs a C++ compiler and AVX2)")
 
@@ -98,18 +97,7 @@ def test_the_avx2_path_is_exact_too():
 
 
 def test_int8_model_matches_its_dense_twin(single_thread):
-    dense = tiny_llama(64, 32, 3).fuse_()
-    packed = copy.deepcopy(dense).pack_int8_()
-    kinds = {name: type(m) for name, m in packed.named_modules() if isinstance(m, (PackedInt8Linear, PackedFP16Linear))}
-    assert kinds["lm_head"] is PackedFP16Linear
-    assert sum(k is PackedInt8Linear for k in kinds.values()) == 4 * len(dense.layers)
-    with torch.no_grad():
-        for name, m in packed.named_modules():          # the dense twin: the same (dequantised) weights
-            if isinstance(m, (PackedInt8Linear, PackedFP16Linear)):
-                dense.get_submodule(name).weight.copy_(m.weight)
-        ids = torch.randint(0, 64, (2, 12))
-        pos = torch.arange(12).expand(2, 12)
-        torch.testing.assert_close(packed(ids, pos).logits, dense(ids, pos).logits, rtol=0.05, atol=0.05)
+    assert_packed_twin("pack_int8_", PackedInt8Linear, 0.05)
 
 
 def test_bad_int8_input_is_rejected():
