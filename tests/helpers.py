@@ -103,3 +103,32 @@ def assert_packed_twin(pack: str, kind: type, tol: float) -> None:
         ids = torch.randint(0, 64, (2, 12))
         pos = torch.arange(12).expand(2, 12)
         torch.testing.assert_close(packed(ids, pos).logits, dense(ids, pos).logits, rtol=tol, atol=tol)
+
+
+def assert_cpu_fp32_only(weights: str) -> None:
+    """``load_model`` refuses ``weights`` with a non-fp32 dtype or a non-CPU device before loading."""
+    import pytest
+    from verispec.models.loading import load_model
+    from verispec.models.packed import WeightFormat
+    with pytest.raises(ValueError, match="fp32"):
+        load_model("smollm2-135m", dtype="bfloat16", weights=weights)
+    with pytest.raises(ValueError, match="CPU only"):
+        load_model("smollm2-135m", weights=weights, device="cuda")
+    assert WeightFormat.parse(weights).value == weights
+
+
+def verify_and_decode_logits(model, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [8, V] of ``prompt[32:40]`` after ``prompt[:32]``: from one 8-token (verify-shaped)
+    forward, and from eight one-token decodes on the same cache."""
+    from verispec.models.kv_cache import KVCache
+    ids = torch.tensor([prompt[:40]])
+    with torch.inference_mode():
+        cache = KVCache.for_model(model.cfg, 1, 128)
+        model(ids[:, :32], torch.arange(32)[None], cache)
+        cache.advance([0], 32)
+        verify = model(ids[:, 32:40], torch.arange(32, 40)[None], cache, kv_len=64).logits[0]
+        decode = []
+        for i in range(32, 40):
+            decode.append(model(ids[:, i:i + 1], torch.tensor([[i]]), cache, kv_len=64).logits[0, 0])
+            cache.advance([0], 1)
+    return verify, torch.stack(decode)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import assert_packed_twin, assert_same_or_tie
+from helpers import assert_cpu_fp32_only, assert_packed_twin, assert_same_or_tie, verify_and_decode_logits
 from verispec import LLM, SamplingParams
 from verispec.models.int4 import PackedInt4Linear, int4_available, quantize_int4
 from verispec.models.loading import load_model
@@ -77,11 +77,7 @@ def test_bad_int4_input_is_rejected():
         PackedInt4Linear(nn.Linear(64, 16).to(torch.bfloat16))
     with pytest.raises(TypeError, match="fp32 activations"):
         PackedInt4Linear(nn.Linear(64, 16))(torch.randn(2, 64, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="fp32"):
-        load_model("smollm2-135m", dtype="bfloat16", weights="int4")
-    with pytest.raises(ValueError, match="CPU only"):
-        load_model("smollm2-135m", weights="int4", device="cuda")
-    assert WeightFormat.parse("int4") is WeightFormat.INT4
+    assert_cpu_fp32_only("int4")
 
 
 @pytest.fixture(scope="module")
@@ -98,20 +94,10 @@ INT4_TIE_MARGIN = 0.5
 
 
 def test_int4_verify_and_decode_logits_differ_only_by_bf16_noise(int4_target, head_prompts, single_thread):
-    from verispec.models.kv_cache import KVCache
-    m, ids = int4_target.model, torch.tensor([head_prompts[0][:40]])
-    with torch.inference_mode():
-        cache = KVCache.for_model(m.cfg, 1, 128)
-        m(ids[:, :32], torch.arange(32)[None], cache)
-        cache.advance([0], 32)
-        verify = m(ids[:, 32:40], torch.arange(32, 40)[None], cache, kv_len=64).logits[0]
-        decode = []
-        for i in range(32, 40):
-            decode.append(m(ids[:, i:i + 1], torch.tensor([[i]]), cache, kv_len=64).logits[0, 0])
-            cache.advance([0], 1)
-    gap = (verify - torch.stack(decode)).abs().max().item()
+    verify, decode = verify_and_decode_logits(int4_target.model, head_prompts[0])
+    gap = (verify - decode).abs().max().item()
     assert gap < INT4_TIE_MARGIN, gap
-    assert torch.equal(verify.argmax(-1), torch.stack(decode).argmax(-1))
+    assert torch.equal(verify.argmax(-1), decode.argmax(-1))
 
 
 @pytest.mark.parametrize("spec", [

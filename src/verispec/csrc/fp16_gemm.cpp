@@ -11,6 +11,7 @@
 // and custom-op friendly) and the memory is owned by torch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "op_util.h"
 #include <fbgemm/FbgemmFP16.h>
 
 #include <algorithm>
@@ -52,15 +53,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& 
   auto i = [m](int j) { return static_cast<int>(m[j]); };
   Packed p(i(0), i(1), i(2), i(3), i(4), i(5), i(6), static_cast<uint64_t>(m[7]), i(8),
            const_cast<uint8_t*>(buf.data_ptr<uint8_t>()) + m[9]);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "fp16 linear: float32 CPU input");
   const int k = p.numRows(), n = p.numCols();
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "fp16 linear: input has ", x.size(-1),
-              " features, the weight takes ", k);
-  auto xc = x.contiguous();
-  const int64_t rows = xc.numel() / k;
-  auto sizes = xc.sizes().vec();
-  sizes.back() = n;
-  auto out = at::empty(sizes, xc.options());
+  // plain variables, not a structured binding: lambdas below capture them (C++17)
+  const verispec::LinearIO io = verispec::linear_io(x, k, n, "fp16 linear");
+  const at::Tensor& xc = io.x;
+  at::Tensor out = io.out;
+  const int64_t rows = io.rows;
   if (rows == 0) return out;
   const float* a = xc.data_ptr<float>();
   float* c = out.data_ptr<float>();
@@ -94,10 +92,7 @@ TORCH_LIBRARY(verispec_fp16, m) {
 TORCH_LIBRARY_IMPL(verispec_fp16, CPU, m) {
   m.impl("linear", [](const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta,
                       const c10::optional<at::Tensor>& bias, int64_t max_threads, int64_t out_features) {
-    at::Tensor out = linear(x, buf, meta, bias, max_threads);
-    TORCH_CHECK(out.size(-1) == out_features, "fp16 linear: out_features ", out_features,
-                " does not match the packed weight's ", out.size(-1));
-    return out;
+    return verispec::with_out_features(linear(x, buf, meta, bias, max_threads), out_features, "fp16 linear");
   });
 }
 

@@ -23,6 +23,7 @@
 // N to a multiple of 16 with zeros. meta = [K, N, Kp, Np, offset].
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "op_util.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -241,9 +242,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& 
               "int8 linear: packed buffer lost its alignment (was it copied?)");
   TORCH_CHECK(qmax == qmax_for_isa(), "int8 linear: qmax ", qmax, " does not match this CPU's kernel (",
               isa_name(), " needs ", qmax_for_isa(), ")");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "int8 linear: float32 CPU input");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "int8 linear: input has ", x.size(-1),
-              " features, the weight takes ", k);
   TORCH_CHECK(colsum.numel() == np && colsum.scalar_type() == at::kInt && colsum.is_contiguous(),
               "int8 linear: colsum must be contiguous int32 [", np, "]");
   TORCH_CHECK(wscale.numel() == np && wscale.scalar_type() == at::kFloat && wscale.is_contiguous(),
@@ -253,11 +251,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& 
     TORCH_CHECK(bias->numel() == np && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                 "int8 linear: bias must be contiguous float32 [", np, "]");
   }
-  auto xc = x.contiguous();
-  const int64_t rows = xc.numel() / k;
-  auto sizes = xc.sizes().vec();
-  sizes.back() = n;
-  auto out = at::empty(sizes, xc.options());
+  // plain variables, not a structured binding: lambdas below capture them (C++17)
+  const verispec::LinearIO io = verispec::linear_io(x, k, n, "int8 linear");
+  const at::Tensor& xc = io.x;
+  at::Tensor out = io.out;
+  const int64_t rows = io.rows;
   if (rows == 0) return out;
   auto qa = at::empty({rows * kp + kAlign}, at::kByte);
   auto sa = at::empty({rows}, at::kFloat);
@@ -293,10 +291,8 @@ TORCH_LIBRARY_IMPL(verispec_int8, CPU, m) {
   m.impl("linear", [](const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta,
                       const at::Tensor& colsum, const at::Tensor& wscale, const c10::optional<at::Tensor>& bias,
                       int64_t qmax, int64_t max_threads, int64_t out_features) {
-    at::Tensor out = linear(x, buf, meta, colsum, wscale, bias, qmax, max_threads);
-    TORCH_CHECK(out.size(-1) == out_features, "int8 linear: out_features ", out_features,
-                " does not match the packed weight's ", out.size(-1));
-    return out;
+    return verispec::with_out_features(linear(x, buf, meta, colsum, wscale, bias, qmax, max_threads),
+                                       out_features, "int8 linear");
   });
 }
 
