@@ -87,8 +87,8 @@ class LLM:
         float16 (the fast path there).
         ``weights="fp16"``: fp16-packed matmul weights on the CPU (``models.packed``): faster, and a
         few-token verification forward costs about a one-token decode; not bit-equal to fp32; CPU only.
-        ``weights="int8"``: int8 weights and per-token int8 activations (``models.int8``): the fastest
-        one-token decode on the CPU, for vanilla decoding only (a ``speculative_config`` is refused).
+        ``weights="int8"``: int8 weights and per-token int8 activations (``models.int8``): a faster
+        one-token decode than fp16, for vanilla decoding only (a ``speculative_config`` is refused).
         ``prefix_cache_mb`` > 0: one ``PrefixCache`` of that many MiB (blocks of
         ``prefix_cache_block_size`` tokens) shared by every engine this LLM makes, so a prompt
         repeating an earlier prompt or conversation (system prompt, chat history) prefills only
@@ -123,7 +123,7 @@ class LLM:
             raise ValueError(
                 "weights='int8' decodes vanilla only: its per-token int8 activations turn the last-bit "
                 "differences of attention between a one-token decode and a verify forward into logit "
-                "differences of up to ~1, so speculation would not reproduce int8 vanilla decoding; "
+                "differences of up to ~2, so speculation would not reproduce int8 vanilla decoding; "
                 "speculate on weights='fp16' (or 'int4', 'dense')")
         if self.compiled is not None and self.spec is not None:
             self.compiled.speculative = True

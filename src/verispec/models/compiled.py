@@ -150,8 +150,7 @@ class CompiledForward:
         K/V values do not matter: the output is dropped)."""
         twin = kv_len + KV_GRANULE
         if twin > cache.max_len:
-            spare = KVCache(len(cache.k), cache.max_batch, cache.k[0].shape[1], twin,
-                            cache.k[0].shape[3], cache.k[0].dtype, cache.device)
+            spare = KVCache.for_model(self.model.cfg, cache.max_batch, twin, cache.k[0].dtype, cache.device)
             rows = list(range(cache.max_batch))
             spare.advance(rows, cache.lengths_of(rows))
             self._mark(spare)

@@ -17,10 +17,11 @@ Contract:
   row (token) of the input is quantised on its own to uint8 (asymmetric, its own scale and zero
   point; ``qmax`` 255 with AVX-512 VNNI, 127 with AVX2, where the kernel's int16 pair sums would
   otherwise saturate), the dot products are exact int32 sums, and the float epilogue reads only
-  that row's numbers. So a row's output never depends on the other rows of the input (T, batch) or
-  on the thread count: speculation stays lossless with respect to this model, and a batch cannot
-  change a row (checked by ``tests/test_int8.py``). Longer inputs (prefill) run the fp32 BLAS over
-  the same dequantised weights.
+  that row's numbers. So a row's product never depends on the other rows of the input (T, batch)
+  or on the thread count (checked by ``tests/test_int8.py``). The forward as a whole is not:
+  attention's last-bit differences between a one-token decode and a verify (or a padded batch)
+  can move an activation code, by up to ~2 in the logits, so ``LLM`` refuses speculation on int8
+  weights. Longer inputs (prefill) run the fp32 BLAS over the same dequantised weights.
 - ``Transformer.pack_int8_`` packs every decoder matmul; the LM head stays fp16-packed (drafters
   read tokens through its rows, ``packed.shared_reader``).
 - CPU only, fp32 models, inference only. The fp32 weight is kept (readers, prefill), so memory
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native
-from .packed import _OMP_PASSIVE, DENSE_MIN_ROWS, SPLIT_MIN_BYTES
+from .packed import DENSE_MIN_ROWS, max_threads
 
 _state: dict = {}
 
@@ -111,8 +112,7 @@ class PackedInt8Linear(nn.Module):
         self._scale = _padded(scale, padded)
         self._bias = _padded(linear.bias.detach().float(), padded) if linear.bias is not None else None
         self._qmax = int(ext.qmax())
-        big = codes.numel() * 2 >= SPLIT_MIN_BYTES
-        self._max_threads = 1 if (_OMP_PASSIVE and not big) else 1 << 16     # capped by torch's
+        self._max_threads = max_threads(codes.numel())
         self._linear = ext.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

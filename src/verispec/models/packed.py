@@ -77,6 +77,12 @@ _OMP_PASSIVE = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE
 # 1.5B one-token forward went 258 -> 172 ms and the 0.5B one 88 -> 68 ms; at 24 MB 186 / 73 ms, at
 # 6 MB the hand-off (~0.15 ms) ate the gain on the smaller matrices.
 SPLIT_MIN_BYTES = 12 << 20          # fp16 bytes; below it the thread hand-off costs more than it saves
+
+
+def max_threads(numel: int) -> int:
+    """``max_threads`` for a threaded C++ op over a matrix of ``numel`` weights: all of torch's
+    threads, except one under PASSIVE for matrices under ``SPLIT_MIN_BYTES`` (as fp16)."""
+    return 1 if (_OMP_PASSIVE and numel * 2 < SPLIT_MIN_BYTES) else 1 << 16     # capped by torch's
 _SPLIT_ALIGN = 64                   # split at a multiple of FBGEMM's column blocking
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 
@@ -166,7 +172,7 @@ class PackedFP16Linear(nn.Module):
             self._buf, self._meta = ext.pack(w.contiguous())
             self._linear = ext.linear                    # the pybind entry: the cheapest eager call
             self._bias = linear.bias.detach().contiguous() if linear.bias is not None else None
-            self._max_threads = 1 if (_OMP_PASSIVE and not big) else 1 << 16   # capped by torch's
+            self._max_threads = max_threads(w.numel())
             return
         bias = (linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features, device="cpu"))
         half = (self.out_features // 2) // _SPLIT_ALIGN * _SPLIT_ALIGN
