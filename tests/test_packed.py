@@ -193,3 +193,45 @@ def test_long_inputs_use_the_dense_kernel_with_the_same_rounded_weights(single_t
                                          packed._parts[0][1]).reshape(t, 3, 48)
     assert torch.equal(packed(short_x), fb)
     torch.testing.assert_close(packed(long_x[:, :5]), packed(long_x)[:, :5], rtol=1e-5, atol=1e-5)
+
+
+def _packer(kind: str):
+    """(pack method name, packed class) of a weights option, skipped where its kernel is missing."""
+    if kind == "int4":
+        from verispec.models.int4 import PackedInt4Linear, int4_available
+        if not int4_available():
+            pytest.skip("no int4pack kernel here")
+        return "pack_int4_", PackedInt4Linear
+    if kind == "int8":
+        from verispec.models.int8 import PackedInt8Linear, int8_available
+        if not int8_available():
+            pytest.skip("no int8 kernel here")
+        return "pack_int8_", PackedInt8Linear
+    return "pack_fp16_", PackedFP16Linear
+
+
+@pytest.mark.parametrize("kind", ["fp16", "int4", "int8"])
+def test_packed_layers_release_their_fp32_weights_and_rebuild_them_bit_for_bit(kind, single_thread):
+    """A packed model keeps no fp32 matrix in its decoder layers (the 1.5B Qwen: 8.3 GB with fp16
+    weights instead of 11); each layer rebuilds the very weight a kept parameter would hold, and
+    prefill computes with it. The LM head keeps its parameter, still tied to the embedding."""
+    pack, kind_cls = _packer(kind)
+    dense = tiny_llama(64, 32, 2).fuse_()
+    dense.lm_head.weight = dense.embed.weight                   # tied, as SmolLM2 and Qwen are
+    packed = getattr(copy.deepcopy(dense), pack)()
+    layer_params = [n for n, p in packed.named_parameters() if n.startswith("layers.") and p.dim() == 2]
+    assert layer_params == []                                   # nothing fp32 left but norms
+    assert packed.layers[0].attn.wq is None and packed.layers[0].mlp.w_up is None
+    assert packed.lm_head.weight is packed.embed.weight
+    x = torch.randn(1, 128, 32)
+    for name, m in packed.named_modules():
+        if not isinstance(m, kind_cls) or name == "lm_head":
+            continue
+        kept = kind_cls(copy.deepcopy(dense.get_submodule(name)))   # the same matrix, parameter kept
+        assert torch.equal(m.dense_weight(), kept.weight) and torch.equal(m.weight, kept.weight)
+        assert "weight" not in dict(m.named_parameters())
+        if m.in_features == 32:
+            assert torch.equal(m(x), kept(x))                   # prefill: the fp32 BLAS, same weight
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        assert torch.isfinite(packed(ids, torch.arange(6)[None]).logits).all()

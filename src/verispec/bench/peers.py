@@ -93,6 +93,11 @@ def hf_from_loaded(loaded: LoadedModel):
     """An HF ``*ForCausalLM`` whose parameters are the tensors of ``loaded.model`` (shared).
     Every HF parameter must be covered; our extra tensors (e.g. fused q/k/v views) are ignored."""
     from transformers import AutoModelForCausalLM
+    from ..models.packed import WeightFormat
+    if loaded.weights is not WeightFormat.DENSE:
+        raise BenchError(f"HF weights 'shared' need dense target weights; this target is packed "
+                         f"(weights={loaded.weights.value!r}: its decoder layers hold no fp32 parameters "
+                         "to share); use HF weights 'loader'")
     cfg = hf_config(loaded.config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)

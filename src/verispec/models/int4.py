@@ -20,15 +20,15 @@ Contract:
   the other rows of the input (checked by ``tests/test_int4.py``), so speculation stays lossless
   with respect to the int4 model and a batch cannot change a row.
 - CPU only, fp32 models, inference only. The fp32 weight is kept (readers, prefill), so memory
-  grows by an eighth.
+  grows by an eighth, unless packed with ``keep_weight=False`` (``Transformer.pack_int4_``'s
+  decoder layers): then one byte of code per weight stays (``packed.PackedLinear``).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .packed import DENSE_MIN_ROWS
+from .packed import DENSE_MIN_ROWS, PackedLinear
 
 GROUP = 32          # input columns per scale/zero pair: the finest the kernel takes, GGUF's block size
 
@@ -54,10 +54,10 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
     return q.to(torch.int32).reshape(n, k), sz, deq
 
 
-class PackedInt4Linear(nn.Module):
+class PackedInt4Linear(PackedLinear):
     """``y = x @ W.T + b`` with ``W`` as packed int4 codes (see the module docstring)."""
 
-    def __init__(self, linear: nn.Linear, group: int = GROUP):
+    def __init__(self, linear: nn.Linear, group: int = GROUP, keep_weight: bool = True):
         super().__init__()
         if linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
             raise ValueError("int4 packing needs fp32 weights on the CPU "
@@ -65,17 +65,23 @@ class PackedInt4Linear(nn.Module):
         if linear.out_features % 16:
             raise ValueError(f"int4 weights need the output size ({linear.out_features}) to be a multiple of 16")
         codes, self._sz, deq = quantize_int4(linear.weight, group)
-        with torch.no_grad():
-            linear.weight.copy_(deq)
-        self.weight, self.bias, self.group = linear.weight, linear.bias, group
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group = group
+        self._hold(linear, deq, keep_weight, (codes.to(torch.uint8),))
         self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+
+    def _expand(self, codes: torch.Tensor) -> torch.Tensor:
+        """``quantize_int4``'s dequantised weight, from the codes and the kernel's scale/zero pairs
+        (bf16 values, exact in fp32): the same operations, so the same bits."""
+        n, k = codes.shape
+        scale, zero = self._sz.transpose(0, 1).float().unbind(-1)          # [N, K/group] each
+        q = codes.float().reshape(n, k // self.group, self.group)
+        return ((q - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             raise TypeError(f"int4-packed linear takes fp32 activations, got {x.dtype}")
         if x.dim() >= 2 and x.shape[-2] >= DENSE_MIN_ROWS:
-            return F.linear(x, self.weight, self.bias)
+            return self._prefill(x)
         flat = x.reshape(-1, self.in_features).bfloat16()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._packed, self.group, self._sz).float()
         if self.bias is not None:
@@ -86,10 +92,12 @@ class PackedInt4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 packed (group {self.group})"
 
 
-def pack_int4_(model: nn.Module, names: tuple[str, ...], group: int = GROUP) -> int:
-    """Replace the ``nn.Linear`` submodules at dotted ``names`` by ``PackedInt4Linear``; returns
-    how many were packed. Raises where the kernel is unavailable."""
+def pack_int4_(model: nn.Module, names: tuple[str, ...], group: int = GROUP, keep_weight: bool = True) -> int:
+    """Replace the ``nn.Linear`` submodules at dotted ``names`` by ``PackedInt4Linear``
+    (``keep_weight``: see ``packed.PackedLinear``); returns how many were packed. Raises where the
+    kernel is unavailable."""
     if not int4_available():
         raise RuntimeError("int4 weight packing needs a PyTorch CPU build with the int4pack kernel (AVX2 or better)")
     from .packed import replace_linears_
-    return replace_linears_(model, names, PackedInt4Linear, lambda lin: PackedInt4Linear(lin, group))
+    return replace_linears_(model, names, PackedInt4Linear,
+                            lambda lin: PackedInt4Linear(lin, group, keep_weight))

@@ -25,18 +25,18 @@ Contract:
 - ``Transformer.pack_int8_`` packs every decoder matmul; the LM head stays fp16-packed (drafters
   read tokens through its rows, ``packed.shared_reader``).
 - CPU only, fp32 models, inference only. The fp32 weight is kept (readers, prefill), so memory
-  grows by a quarter. ``VERISPEC_INT8_ISA=avx2`` runs the AVX2 path on an AVX-512 machine (tests).
+  grows by a quarter, unless packed with ``keep_weight=False`` (``Transformer.pack_int8_``'s
+  decoder layers): then the codes stay, one byte per weight (``packed.PackedLinear``). ``VERISPEC_INT8_ISA=avx2`` runs the AVX2 path on an AVX-512 machine (tests).
 """
 from __future__ import annotations
 
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import native
-from .packed import DENSE_MIN_ROWS, max_threads
+from .packed import DENSE_MIN_ROWS, PackedLinear, max_threads
 
 _state: dict = {}
 
@@ -90,11 +90,11 @@ def _padded(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(n - t.numel())]).contiguous()
 
 
-class PackedInt8Linear(nn.Module):
+class PackedInt8Linear(PackedLinear):
     """``y = x @ W.T + b`` with ``W`` as int8 codes and the input quantised per row (see the
     module docstring)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, keep_weight: bool = True):
         super().__init__()
         if linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
             raise ValueError("int8 packing needs fp32 weights on the CPU "
@@ -103,10 +103,8 @@ class PackedInt8Linear(nn.Module):
         if ext is None:
             raise RuntimeError(f"the int8 kernel is unavailable: {unavailable_reason()}")
         codes, scale, deq = quantize_int8(linear.weight)
-        with torch.no_grad():
-            linear.weight.copy_(deq)
-        self.weight, self.bias = linear.weight, linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._hold(linear, deq, keep_weight, (codes, scale))
+        del deq
         self._buf, self._meta, self._colsum = ext.pack(codes)
         padded = int(self._meta[3])
         self._scale = _padded(scale, padded)
@@ -119,7 +117,7 @@ class PackedInt8Linear(nn.Module):
         if x.dtype != torch.float32:
             raise TypeError(f"int8-packed linear takes fp32 activations, got {x.dtype}")
         if x.dim() >= 2 and x.shape[-2] >= DENSE_MIN_ROWS:
-            return F.linear(x, self.weight, self.bias)
+            return self._prefill(x)
         x = x.contiguous()
         if torch.compiler.is_compiling():
             return torch.ops.verispec_int8.linear(x, self._buf, self._meta, self._colsum, self._scale,
@@ -127,15 +125,20 @@ class PackedInt8Linear(nn.Module):
         return self._linear(x, self._buf, self._meta, self._colsum, self._scale, self._bias,
                             self._qmax, self._max_threads)
 
+    def _expand(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return codes.float() * scale[:, None]          # quantize_int8's dequantised weight, bit for bit
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int8 W8A8 (activations per token, qmax {self._qmax})")
 
 
-def pack_int8_(model: nn.Module, names: tuple[str, ...]) -> int:
-    """Replace the ``nn.Linear`` submodules at dotted ``names`` by ``PackedInt8Linear``; returns
-    how many were packed. Raises where the kernel is unavailable."""
+def pack_int8_(model: nn.Module, names: tuple[str, ...], keep_weight: bool = True) -> int:
+    """Replace the ``nn.Linear`` submodules at dotted ``names`` by ``PackedInt8Linear``
+    (``keep_weight``: see ``packed.PackedLinear``); returns how many were packed. Raises where the
+    kernel is unavailable."""
     if not int8_available():
         raise RuntimeError(f"int8 weight packing needs the int8 kernel: {unavailable_reason()}")
     from .packed import replace_linears_
-    return replace_linears_(model, names, PackedInt8Linear)
+    return replace_linears_(model, names, PackedInt8Linear,
+                            lambda lin: PackedInt8Linear(lin, keep_weight))

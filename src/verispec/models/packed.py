@@ -139,7 +139,48 @@ def _(x, packs, biases):
     return x.new_empty((*x.shape[:-1], sum(b.shape[0] for b in biases)))
 
 
-class PackedFP16Linear(nn.Module):
+class PackedLinear(nn.Module):
+    """Base of the packed linears (fp16, int4, int8): ``y = x @ W.T + b`` with ``W`` the weight
+    the kernel computes with (the fp16-rounded or dequantised values of the original).
+
+    ``W`` is held one of two ways, chosen at packing (``keep_weight``):
+    - kept (the default): the ``nn.Linear``'s fp32 parameter, overwritten in place with ``W``,
+      stays as ``self.weight``, so readers that share its storage see ``W`` (the LM head, which
+      drafters read tokens through: ``shared_reader``);
+    - released: only a compact copy stays (fp16 values, or the integer codes beside the scales the
+      kernel already holds). ``dense_weight()``, and reading ``.weight``, rebuild the same fp32
+      ``W`` (bit for bit) on each call. ``Transformer.pack_*_`` packs the decoder layers' matmuls
+      so: the 1.5B Qwen then holds 7.6 GB with fp16 weights and 4.6 GB with int4, not 11 and 9.
+    Inputs of ``DENSE_MIN_ROWS`` tokens or more (prefill) run the fp32 BLAS over ``dense_weight()``."""
+
+    def _hold(self, linear: nn.Linear, dense: torch.Tensor, keep: bool, compact: tuple) -> None:
+        """Keep ``linear``'s parameter overwritten with ``dense``, or only ``compact`` (the
+        arguments of ``_expand``)."""
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._compact = None if keep else compact
+        if keep:
+            with torch.no_grad():
+                linear.weight.copy_(dense)
+            self.weight = linear.weight
+
+    def _expand(self, *compact: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense_weight(self) -> torch.Tensor:
+        """``W`` in fp32: the kept parameter, or rebuilt from the compact copy (a new tensor)."""
+        return self.weight if self._compact is None else self._expand(*self._compact)
+
+    def __getattr__(self, name: str):
+        if name == "weight" and self.__dict__.get("_compact") is not None:
+            return self.dense_weight()
+        return super().__getattr__(name)
+
+    def _prefill(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.dense_weight(), self.bias)
+
+
+class PackedFP16Linear(PackedLinear):
     """``y = x @ W.T + b`` with ``W`` packed as fp16 for FBGEMM. ``weight``/``bias`` are the
     original parameters (rounded to fp16 values in place), kept for readers. The product runs on
     all of torch's threads through ``fp16_kernel`` (``backend="threaded"``, the default where it
@@ -148,7 +189,7 @@ class PackedFP16Linear(nn.Module):
     length (``x.shape[-2]``) is at least ``DENSE_MIN_ROWS`` goes to the fp32 BLAS with the same
     rounded weights (prefill)."""
 
-    def __init__(self, linear: nn.Linear, backend: str | None = None):
+    def __init__(self, linear: nn.Linear, backend: str | None = None, keep_weight: bool = True):
         super().__init__()
         if linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
             raise ValueError("fp16 packing needs fp32 weights on the CPU "
@@ -156,11 +197,9 @@ class PackedFP16Linear(nn.Module):
                              "bfloat16 or float16 with dense weights instead")
         if backend not in (None, "threaded", "torch"):
             raise ValueError(f"unknown fp16 backend {backend!r}; use 'threaded' or 'torch'")
-        with torch.no_grad():
-            linear.weight.copy_(linear.weight.half().float())
-        self.weight, self.bias = linear.weight, linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach()
+        w16 = linear.weight.detach().half()
+        w = w16.float()                       # the rounded weight: what every path computes with
+        self._hold(linear, w, keep_weight, (w16,))
         ext = fp16_kernel.kernel() if backend != "torch" else None
         if backend == "threaded" and ext is None:
             raise RuntimeError(f"the threaded fp16 kernel is unavailable: {fp16_kernel.unavailable_reason()}")
@@ -192,7 +231,7 @@ class PackedFP16Linear(nn.Module):
         if x.dtype != torch.float32:
             raise TypeError(f"fp16-packed linear takes fp32 activations, got {x.dtype}")
         if x.dim() >= 2 and x.shape[-2] >= DENSE_MIN_ROWS:
-            return nn.functional.linear(x, self.weight, self.bias)
+            return self._prefill(x)
         x = x.contiguous()
         if self.backend == "threaded":
             if torch.compiler.is_compiling():
@@ -203,16 +242,21 @@ class PackedFP16Linear(nn.Module):
             return fp16_linear_op(x, self._packs, self._biases)
         return _parts_gemm(x, self._packs, self._biases)
 
+    def _expand(self, half: torch.Tensor) -> torch.Tensor:
+        return half.float()
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp16 packed ({self.backend})"
 
 
-def pack_fp16_(model: nn.Module, names: tuple[str, ...]) -> int:
+def pack_fp16_(model: nn.Module, names: tuple[str, ...], keep_weight: bool = True) -> int:
     """Replace the ``nn.Linear`` submodules at dotted ``names`` (those the forward calls) by
-    ``PackedFP16Linear``; returns how many were packed. Raises where FBGEMM is unavailable."""
+    ``PackedFP16Linear`` (``keep_weight``: see ``PackedLinear``); returns how many were packed.
+    Raises where FBGEMM is unavailable."""
     if not fp16_packing_available():
         raise RuntimeError("fp16 weight packing needs a PyTorch CPU build with FBGEMM and AVX2")
-    return replace_linears_(model, names, PackedFP16Linear)
+    return replace_linears_(model, names, PackedFP16Linear,
+                            lambda lin: PackedFP16Linear(lin, keep_weight=keep_weight))
 
 
 def replace_linears_(model: nn.Module, names: tuple[str, ...], kind: type, make=None) -> int:

@@ -312,27 +312,43 @@ class Transformer(nn.Module):
             layer.mlp.fuse_()
         return self
 
+    # The pack_*_ methods replace every matmul of the fused forward by a packed module. The decoder
+    # layers' fp32 weights are released (``packed.PackedLinear``: a compact copy rebuilds them for
+    # prefill and readers), and so are the unfused q/k/v and gate/up parameters that viewed them:
+    # a packed model has no ``wq``/``wk``/``wv``/``w_gate``/``w_up``. The LM head keeps its fp32
+    # parameter, which it shares with the embedding when tied and which drafters read.
     def pack_fp16_(self) -> "Transformer":
         """fp16-packed weights for every matmul of the fused forward (see ``packed``)."""
         from .packed import pack_fp16_
-        pack_fp16_(self, self._layer_matmuls() + ("lm_head",))
-        return self
+        pack_fp16_(self, self._release_unfused_(), keep_weight=False)
+        return self._packed_head_()
 
     def pack_int4_(self) -> "Transformer":
         """int4 weight-only matmuls in every decoder layer (``int4``), the LM head fp16-packed:
         its rows are what drafters read through, and 4 bits there cost the most quality."""
         from .int4 import pack_int4_
-        from .packed import pack_fp16_
-        pack_int4_(self, self._layer_matmuls())
-        pack_fp16_(self, ("lm_head",))
-        return self
+        pack_int4_(self, self._release_unfused_(), keep_weight=False)
+        return self._packed_head_()
 
     def pack_int8_(self) -> "Transformer":
         """int8 weights with per-token int8 activations in every decoder layer (``int8``), the LM
         head fp16-packed (drafters read through its rows)."""
         from .int8 import pack_int8_
+        pack_int8_(self, self._release_unfused_(), keep_weight=False)
+        return self._packed_head_()
+
+    def _release_unfused_(self) -> tuple[str, ...]:
+        """Drop the unfused parts (before packing, so each fused fp32 weight is freed as soon as
+        its packed module replaces it: loading peaks lower); returns ``_layer_matmuls()``."""
+        names = self._layer_matmuls()
+        for layer in self.layers:
+            layer.attn.wq = layer.attn.wk = layer.attn.wv = None
+            layer.mlp.w_gate = layer.mlp.w_up = None
+        return names
+
+    def _packed_head_(self) -> "Transformer":
+        """The LM head fp16-packed (its fp32 parameter kept: tied to the embedding, read by drafters)."""
         from .packed import pack_fp16_
-        pack_int8_(self, self._layer_matmuls())
         pack_fp16_(self, ("lm_head",))
         return self
 
