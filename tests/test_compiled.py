@@ -193,3 +193,39 @@ def test_speculative_compiles_the_one_token_graph_with_the_first_verify():
                      kv_len=cache.kv_len([0], 1))
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
     assert compiled.graphs == graphs and graphs >= 2
+
+
+def test_a_compiled_draft_model_proposes_what_the_eager_one_does(tiny):
+    """``DraftModelDrafter(forward=CompiledForward(draft))``: on rows 0..B-1 every draft forward
+    (catch-up feeds with ``logits_index``, chain steps) runs compiled, and the engine's output is
+    the eager engine's."""
+    model, compiled = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    draft_model = tiny_llama(48, 32, 1, seed=3).fuse_()
+    draft_fwd = CompiledForward(draft_model)
+
+    def run(drafter, batch):
+        engine = Engine(model, drafter, max_batch=batch, max_len=96, forward=compiled)
+        seqs = [Sequence(prompt_ids=[1, 2, 3, 4 + i], params=params) for i in range(batch)]
+        engine.run(seqs)
+        return [s.output_ids for s in seqs], engine.stats
+    for batch in (1, 2):
+        eager, _ = run(DraftModelDrafter(draft_model, max_batch=batch, max_len=96, num_speculative_tokens=3), batch)
+        got, stats = run(DraftModelDrafter(draft_model, max_batch=batch, max_len=96, num_speculative_tokens=3,
+                                           forward=draft_fwd), batch)
+        assert got == eager and stats.num_draft_tokens > 0
+    assert draft_fwd.graphs >= 2 and draft_fwd.eager_calls == 0
+
+
+def test_llm_compiles_its_draft_model_unless_told_not_to(packed_target):
+    from verispec import LLM
+    from verispec.spec_config import SpecConfigError, SpeculativeConfig
+    cfg = {"method": "draft_model", "model": "self", "self_draft_layers": 1}
+    assert LLM(loaded=packed_target, compile=True, speculative_config=cfg).spec.draft_compile is True
+    assert LLM(loaded=packed_target, speculative_config=cfg).spec.draft_compile is None      # eager target
+    off = LLM(loaded=packed_target, compile=True, speculative_config={**cfg, "draft_compile": False})
+    assert off.spec.draft_compile is False
+    assert SpeculativeConfig.from_dict(cfg).draft_compile is None
+    assert SpeculativeConfig.from_dict({**cfg, "draft_compile": False}).draft_compile is False
+    with pytest.raises(SpecConfigError, match="draft_compile"):
+        SpeculativeConfig.from_dict({**cfg, "draft_compile": "yes"})

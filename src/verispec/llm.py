@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence as Seq
 
 import torch
@@ -24,7 +24,7 @@ from .models.loading import LoadedModel, load_model
 from .models.packed import WeightFormat
 from .params import SamplingParams
 from .prefix_cache import PrefixCache
-from .spec_config import SpeculativeConfig
+from .spec_config import DraftModelConfig, SpeculativeConfig
 
 PromptType = str | dict
 
@@ -93,7 +93,8 @@ class LLM:
         ``prefix_cache_block_size`` tokens) shared by every engine this LLM makes, so a prompt
         repeating an earlier prompt or conversation (system prompt, chat history) prefills only
         what is new; 0 (default) turns it off. Its counters: ``self.prefix_cache.stats()``.
-        ``compile=True``: decode and verify forwards through ``torch.compile`` (``models.compiled``:
+        ``compile=True``: decode and verify forwards (and a draft model's, unless its config sets
+        ``draft_compile``) through ``torch.compile`` (``models.compiled``:
         fused small ops; compiled once per process, the first steps pay it; ``self.compiled``
         reports graphs and compile seconds)."""
         if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) or \
@@ -127,6 +128,8 @@ class LLM:
                 "speculate on weights='fp16' (or 'int4', 'dense')")
         if self.compiled is not None and self.spec is not None:
             self.compiled.speculative = True
+            if isinstance(self.spec, DraftModelConfig) and self.spec.draft_compile is None:
+                self.spec = replace(self.spec, draft_compile=True)    # the draft follows the target
         self.acceptance = self.spec.acceptance() if self.spec else LOSSLESS
         self._make_drafter = build_drafter_factory(self.spec, self.target) if self.spec else None
         # the tree a head's default config chose from measured costs (draft_shape.ShapeChoice)

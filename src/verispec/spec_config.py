@@ -137,11 +137,14 @@ class DraftModelConfig(SpeculativeConfig):
     draft_dtype: str | None = None           # the draft's dtype (default: the target's)
     draft_vocab: str | None = None           # reduced draft vocabulary file (d2t / t2d)
     draft_confidence_threshold: float | None = None   # chains: stop below this draft probability
+    draft_compile: bool | None = None        # the draft's forwards through torch.compile (default: as the target)
 
     def check(self) -> None:
         super().check()
         if not self.model:
             raise SpecConfigError("method 'draft_model' needs 'model' (a model name or path, or 'self')")
+        if self.draft_compile is not None and not isinstance(self.draft_compile, bool):
+            raise SpecConfigError(f"speculative_config 'draft_compile' must be true or false, got {self.draft_compile!r}")
         if self.model == "self" and self.self_draft_layers is None:
             raise SpecConfigError("model 'self' (self-draft) needs 'self_draft_layers'")
         c = self.draft_confidence_threshold

@@ -85,9 +85,13 @@ def _draft_model(config: DraftModelConfig, target) -> DrafterFactory:
     k = config.num_speculative_tokens or 4
     tree = [list(c) for c in config.tree] if config.tree else None
     stop = config.draft_confidence_threshold
+    forward = None
+    if config.draft_compile:
+        from ..models.compiled import CompiledForward
+        forward = CompiledForward.shared(model)     # compiled once per process, shared by every engine
     return lambda max_batch, max_len: DraftModelDrafter(model, max_batch=max_batch, max_len=max_len,
                                                         num_speculative_tokens=k, tree=tree, vocab=vocab,
-                                                        confidence_threshold=stop)
+                                                        confidence_threshold=stop, forward=forward)
 
 
 def _load_draft_model(config: DraftModelConfig, target):

@@ -37,12 +37,16 @@ class DraftModelDrafter:
 
     def __init__(self, model: Transformer, *, max_batch: int, max_len: int, num_speculative_tokens: int = 4,
                  tree: list | None = None, vocab: DraftVocab | None = None,
-                 confidence_threshold: float | None = None):
+                 confidence_threshold: float | None = None, forward=None):
         """``confidence_threshold`` (chains only): a row's chain ends after a token the draft gave
         less than this probability (its own, after temperature / top-k / top-p; the argmax's at
         temperature 0). The draft forwards a chain would spend past a doubtful token are the ones
         most likely wasted. The chain's length depends on draft-side numbers only, so the
-        verification stays lossless."""
+        verification stays lossless.
+        ``forward``: a ``models.compiled.CompiledForward`` of ``model`` (the LLM compiles): a
+        forward over the draft rows 0..B-1 in order (batch 1, or a batch drafted together) runs
+        it with a bucketed ``kv_len``; any other runs the eager model. Draft numbers only move
+        which tokens are proposed, never what is accepted."""
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
@@ -58,6 +62,7 @@ class DraftModelDrafter:
         self.device = next(model.parameters()).device      # the target's: cache, inputs and trees live there
         self.draft_ids = None if vocab is None else vocab.draft_ids.to(self.device)
         self.model = model
+        self._compiled = forward
         self.k = num_speculative_tokens
         self.choices = validate_choices(tree) if tree else None
         self.max_tree_nodes = len(self.choices) if self.choices else self.k
@@ -123,9 +128,14 @@ class DraftModelDrafter:
             self.cached[r.row].extend(f)
         return out[:, 0]
 
-    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, **kw) -> torch.Tensor:
+    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, **kw) -> torch.Tensor:
         """Draft forward on the draft cache; logits over the full target vocabulary."""
-        logits = self.model(tokens, positions, self.cache, **kw).logits
+        host = rows.tolist() if self._compiled is not None else None
+        if host is not None and host == list(range(len(host))):
+            logits = self._compiled(tokens, positions, self.cache, kv_len=self.cache.kv_len(host, tokens.shape[1]),
+                                    **kw).logits
+        else:
+            logits = self.model(tokens, positions, self.cache, rows=rows, **kw).logits
         if self.draft_ids is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))

@@ -6,7 +6,7 @@ packed kernels (``packed``'s fp16 op, the int4 kernel) and attention stays SDPA.
 Contract
 - ``CompiledForward(model)`` is called like the model on a cache, with a host ``kv_len``
   (``KVCache.kv_len``): ``(tokens, positions, cache, attn_mask=..., rows=..., hidden_layers=...,
-  kv_len=...) -> ModelOutput``. Same logits as the eager forward within float tolerance (fused
+  kv_len=..., logits_index=...) -> ModelOutput``. Same logits as the eager forward within float tolerance (fused
   loops sum in another order); greedy and sampled speculation stay exact with respect to the
   compiled forward, which every step (vanilla or speculative) then uses.
 - Compiled are the forwards on rows ``0..B-1`` (a batch decoded together from its start) with a
@@ -104,25 +104,25 @@ class CompiledForward:
                     torch._dynamo.maybe_mark_dynamic(attn_mask, d)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, *, attn_mask=None,
-                 rows=None, hidden_layers: tuple[int, ...] = (), kv_len: int | None = None) -> ModelOutput:
+                 rows=None, hidden_layers: tuple[int, ...] = (), kv_len: int | None = None,
+                 logits_index: torch.Tensor | None = None) -> ModelOutput:
         b = int(tokens.shape[0])
         if rows is not None and not isinstance(rows, torch.Tensor) and list(rows) == list(range(b)):
             rows = None
         if kv_len is None or rows is not None:
             self.eager_calls += 1
             return self.model(tokens, positions, cache, attn_mask=attn_mask, rows=rows,
-                              hidden_layers=hidden_layers, kv_len=kv_len)
+                              hidden_layers=hidden_layers, kv_len=kv_len, logits_index=logits_index)
         self._mark(cache)
         self._mark_length(tokens, positions, attn_mask)
         before, t0 = _graphs(), time.perf_counter()
-        run = lambda n: self._fn(tokens, positions, cache, attn_mask=attn_mask,  # noqa: E731
-                                 hidden_layers=tuple(hidden_layers), kv_len=n)
-        out = run(kv_len)
+        out = self._fn(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=tuple(hidden_layers),
+                       kv_len=kv_len, logits_index=logits_index)
         if _graphs() != before:
             # a new shape: compile its dynamic-length twin now (same call, another bucket; the
             # forward only writes scratch slots, so running it twice changes nothing) rather than
             # at the next kv_len bucket, in the middle of a timed run
-            self._compile_twin(tokens, positions, cache, attn_mask, tuple(hidden_layers), kv_len)
+            self._compile_twin(tokens, positions, cache, attn_mask, tuple(hidden_layers), kv_len, logits_index)
             self.compile_s += time.perf_counter() - t0
             self.graphs += _graphs() - before
             if self.speculative and attn_mask is not None:
@@ -143,7 +143,7 @@ class CompiledForward:
         self(first(tokens), first(positions), cache, attn_mask=one, hidden_layers=hidden_layers,
              kv_len=cache.kv_len(list(range(b)), 1))
 
-    def _compile_twin(self, tokens, positions, cache, attn_mask, hidden_layers, kv_len) -> None:
+    def _compile_twin(self, tokens, positions, cache, attn_mask, hidden_layers, kv_len, logits_index=None) -> None:
         """Run the call again with ``kv_len`` one bucket larger (more slots, masked: the same
         logits), so dynamo compiles the graph for any ``kv_len`` now. A cache too short for that
         bucket is stood in for by a scratch cache of the same layout with the same lengths (its
@@ -155,7 +155,8 @@ class CompiledForward:
             spare.advance(rows, cache.lengths_of(rows))
             self._mark(spare)
             cache = spare
-        self._fn(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=hidden_layers, kv_len=twin)
+        self._fn(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=hidden_layers, kv_len=twin,
+                 logits_index=logits_index)
 
     def _compile_verify_twin(self, tokens, positions, cache, attn_mask, hidden_layers) -> None:
         """After the one-token graph, compile the multi-token (verify) graph at once, with a

@@ -125,8 +125,8 @@ class PackedInt8Linear(PackedLinear):
         return self._linear(x, self._buf, self._meta, self._colsum, self._scale, self._bias,
                             self._qmax, self._max_threads)
 
-    def _expand(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return codes.float() * scale[:, None]          # quantize_int8's dequantised weight, bit for bit
+    def _expand(self, out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return torch.mul(codes, scale[:, None], out=out)   # quantize_int8's dequantised weight, bit for bit
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -164,12 +165,15 @@ class PackedLinear(nn.Module):
                 linear.weight.copy_(dense)
             self.weight = linear.weight
 
-    def _expand(self, *compact: torch.Tensor) -> torch.Tensor:
+    def _expand(self, out: torch.Tensor, *compact: torch.Tensor) -> torch.Tensor:
+        """Write ``W`` (fp32, [out_features, in_features]) into ``out`` from the compact copy."""
         raise NotImplementedError
 
     def dense_weight(self) -> torch.Tensor:
         """``W`` in fp32: the kept parameter, or rebuilt from the compact copy (a new tensor)."""
-        return self.weight if self._compact is None else self._expand(*self._compact)
+        if self._compact is None:
+            return self.weight
+        return self._expand(torch.empty(self.out_features, self.in_features), *self._compact)
 
     def __getattr__(self, name: str):
         if name == "weight" and self.__dict__.get("_compact") is not None:
@@ -177,7 +181,25 @@ class PackedLinear(nn.Module):
         return super().__getattr__(name)
 
     def _prefill(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.dense_weight(), self.bias)
+        """The fp32 BLAS over ``W``; a released ``W`` is rebuilt in a scratch buffer this thread
+        reuses (a fresh 110 MB tensor per call cost 46 ms of page faults on a Qwen-1.5B gate/up
+        matrix; the copy into warm memory 8 ms, against 320 ms for the product at 512 tokens)."""
+        if self._compact is None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        w = self._expand(_scratch(self.out_features * self.in_features).view(self.out_features, self.in_features),
+                         *self._compact)
+        return nn.functional.linear(x, w, self.bias)
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This thread's fp32 scratch buffer of at least ``numel`` elements (grown, never shrunk)."""
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch_local.buf = torch.empty(numel)
+    return buf[:numel]
 
 
 class PackedFP16Linear(PackedLinear):
@@ -242,8 +264,8 @@ class PackedFP16Linear(PackedLinear):
             return fp16_linear_op(x, self._packs, self._biases)
         return _parts_gemm(x, self._packs, self._biases)
 
-    def _expand(self, half: torch.Tensor) -> torch.Tensor:
-        return half.float()
+    def _expand(self, out: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+        return out.copy_(half)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp16 packed ({self.backend})"
