@@ -132,6 +132,8 @@ class DraftModelDrafter:
         """Draft forward on the draft cache; logits over the full target vocabulary."""
         host = rows.tolist() if self._compiled is not None else None
         if host is not None and host == list(range(len(host))):
+            if "logits_index" not in kw and "attn_mask" not in kw:        # chain steps: the catch-up's graph
+                kw["logits_index"] = torch.full((len(host), 1), tokens.shape[1] - 1, device=self.device)
             logits = self._compiled(tokens, positions, self.cache, kv_len=self.cache.kv_len(host, tokens.shape[1]),
                                     **kw).logits
         else:
