@@ -8,7 +8,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # conftest sets PASSIVE (two pytest workers share the 2 cores). The threaded fp16 kernel and the int4
 # kernel hand work to the second thread ~120 times a token: a sleeping thread costs ~50 us to wake.
 
-.PHONY: setup demo test test-slow bench-llamacpp bench-weights llamacpp bench-vanilla bench-spec-core bench-heads qwen draft-vocab-qwen clean sharegpt regen train-eagle3 train-medusa ship-heads
+.PHONY: setup demo test test-slow bench-llamacpp bench-llamacpp-qwen bench-weights llamacpp bench-vanilla bench-spec-core bench-heads qwen draft-vocab-qwen clean sharegpt regen train-eagle3 train-medusa ship-heads
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -100,6 +100,15 @@ bench-llamacpp: $(VENV)/.llamacpp
 	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
 	  --method-config 'ngram3={"method":"ngram","num_speculative_tokens":3}' \
 	  --name llamacpp-smollm2 --out benchmarks/results/spec_bench/llamacpp_smollm2
+
+# The same two comparisons on Qwen2.5-Coder-1.5B (int4 weights; the 0.5B draft, ngram, llama.cpp's draft mode).
+bench-llamacpp-qwen: $(VENV)/.llamacpp qwen
+	$(BIN)/python benchmarks/decode_speed.py --model qwen2.5-coder-1.5b --per-category 1 --max-tokens 128 \
+	  --variants fp16@legacy,int4+compile,llamacpp
+	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4 --threads 2 --per-category 1 --max-tokens 128 \
+	  --compile --methods vanilla,ngram,draft-v64k,llamacpp,llamacpp-draft \
+	  --method-config 'draft-v64k={"method":"draft_model","model":"qwen2.5-coder-0.5b","num_speculative_tokens":4,"draft_vocab":"qwen2.5-coder-draft-vocab-64k/draft_vocab.safetensors"}' \
+	  --name llamacpp-qwen --out benchmarks/results/spec_bench/llamacpp_qwen
 
 # The quality cost of each weights option against fp32 (perplexity, greedy agreement).
 bench-weights: sharegpt

@@ -71,7 +71,7 @@ class GgufDraft:
     def __call__(self, input_ids, /, **kwargs):
         import numpy as np
         out: list[int] = []
-        gen = self.llm.generate([int(t) for t in input_ids], temp=0.0, top_k=1, reset=False)
+        gen = self.llm.generate([int(t) for t in input_ids], temp=0.0, top_k=1)   # reset: reuse the longest prefix
         for tok in gen:
             out.append(int(tok))
             if len(out) >= self.k:
