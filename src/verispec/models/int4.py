@@ -75,8 +75,9 @@ class PackedInt4Linear(PackedLinear):
         (bf16 values, exact in fp32): the same operations, so the same bits."""
         n, k = codes.shape
         scale, zero = self._sz.transpose(0, 1).float().unbind(-1)          # [N, K/group] each
-        q = codes.float().reshape(n, k // self.group, self.group)
-        return out.copy_(((q - 8) * scale[..., None] + zero[..., None]).reshape(n, k))
+        w = out.view(n, k // self.group, self.group).copy_(codes.view(n, k // self.group, self.group))
+        w.sub_(8).mul_(scale[..., None]).add_(zero[..., None])            # (q - 8) * scale + zero, in place
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:

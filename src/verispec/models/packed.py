@@ -87,6 +87,8 @@ def max_threads(numel: int) -> int:
     """``max_threads`` for a threaded C++ op over a matrix of ``numel`` weights: all of torch's
     threads, except one under PASSIVE for matrices under ``SPLIT_MIN_BYTES`` (as fp16)."""
     return 1 if (_OMP_PASSIVE and numel * 2 < SPLIT_MIN_BYTES) else 1 << 16     # capped by torch's
+
+
 _SPLIT_ALIGN = 64                   # split at a multiple of FBGEMM's column blocking
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 
@@ -154,8 +156,9 @@ class PackedLinear(nn.Module):
     - released: only a compact copy stays (fp16 values, or the integer codes beside the scales the
       kernel already holds). ``dense_weight()``, and reading ``.weight``, rebuild the same fp32
       ``W`` (bit for bit) on each call. ``Transformer.pack_*_`` packs the decoder layers' matmuls
-      so: the 1.5B Qwen then holds 7.6 GB with fp16 weights and 4.6 GB with int4, not 11 and 9.
-    Inputs of ``DENSE_MIN_ROWS`` tokens or more (prefill) run the fp32 BLAS over ``dense_weight()``."""
+      so: the 1.5B Qwen then holds 8.3 GB with fp16 weights and 5.2 GB with int4, not 11.05 and 9.0.
+    ``_prefill(x)``: the fp32 BLAS over ``W``, for subclasses that send long inputs (prefill) there
+    (fp16, int8; int4 runs its own kernel at every length)."""
 
     def _hold(self, linear: nn.Linear, dense: torch.Tensor, keep: bool, compact: tuple) -> None:
         """Keep ``linear``'s parameter overwritten with ``dense``, or only ``compact`` (the
