@@ -27,6 +27,7 @@ The data order is a pure function of (seed, step), so ``resume`` (rank 0 writes
 """
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -131,7 +132,16 @@ def init_distributed(device: torch.device | None = None) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device is not None and device.type == "cuda" else "gloo")
+        atexit.register(shutdown_distributed)
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group ``init_distributed`` started (registered at exit). Left to the
+    interpreter's teardown, gloo's worker threads can be destroyed while joinable, and a rank dies
+    with SIGABRT ("terminate called without an active exception") after its work is done."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _all_sum(x: torch.Tensor) -> torch.Tensor:
