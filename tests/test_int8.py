@@ -1,7 +1,8 @@
 """int8 W8A8 packing (``models.int8``, ``csrc/int8_gemm.cpp``): the kernel's integer sums are
 exact (equal to an int64 reference over the same per-row codes), a row never depends on the other
-rows nor on the thread count, on the AVX-512 VNNI path and on the AVX2 one; a vanilla batch equals
-each prompt alone; speculation is refused (why: measured here); bad input errors."""
+rows nor on the thread count, on the AVX-512 VNNI path and on the AVX2 one; with the row-invariant
+attention a vanilla batch equals each prompt alone and greedy speculation equals vanilla (refused
+without the op: why, measured in test_attention); bad input errors."""
 from __future__ import annotations
 
 import os
@@ -122,26 +123,37 @@ def int8_target():
     return load_model("smollm2-135m", dtype="float32", weights="int8")
 
 
-def test_decode_and_verify_forwards_differ_so_speculation_is_refused(int8_target, head_prompts, single_thread):
-    """Per-token activation codes turn the last-bit differences of attention between a one-token
-    decode and a T-token verify forward (SDPA blocks differently) into a whole code step now and
-    then, and the cache carries it on: logits of one position differ by up to ~2 (fp16-packed:
-    ~6e-5). Speculation would then not reproduce int8 vanilla, so an LLM refuses it."""
-    gaps = []
-    for prompt in head_prompts:
-        verify, decode = verify_and_decode_logits(int8_target.model, prompt)
-        gaps.append((verify - decode).abs().max().item())
-    assert max(gaps) > 1e-2, gaps                # if this fails, int8 became exact: allow speculation
-    with pytest.raises(ValueError, match="vanilla only"):
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "eagle3"},
+], ids=["ngram", "eagle3"])
+def test_greedy_speculation_on_int8_equals_its_vanilla(int8_target, head_prompts, spec):
+    """With the row-invariant attention a verify forward computes each token exactly as a decode
+    does (tests/test_attention.py), so speculation on int8 weights reproduces int8 vanilla token for
+    token; batched rows equal each prompt alone."""
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    batch = [{"prompt_token_ids": p} for p in head_prompts]
+    alone = LLM(loaded=int8_target, max_num_seqs=1).generate(batch, greedy)
+    want = LLM(loaded=int8_target, max_num_seqs=4).generate(batch, greedy)
+    got = LLM(loaded=int8_target, max_num_seqs=4, speculative_config=spec).generate(batch, greedy)
+    assert [o.token_ids for o in want] == [o.token_ids for o in alone]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics.num_drafts for o in got) > 0
+
+
+def test_without_the_attention_op_speculation_is_refused(int8_target, monkeypatch):
+    """SDPA's last-bit differences between a decode and a verify move per-token int8 codes (logits
+    by up to ~2): without the op an LLM refuses to speculate on int8 weights."""
+    from verispec.models import attention
+    monkeypatch.setitem(attention._state, "module", None)
+    monkeypatch.setitem(attention._state, "reason", "test")
+    with pytest.raises(ValueError, match="row-invariant attention"):
         LLM(loaded=int8_target, speculative_config={"method": "ngram"})
 
 
 def test_int8_vanilla_is_repeatable_and_follows_the_model(int8_target, head_prompts):
     """Vanilla int8 decoding gives the same tokens run after run, and they are what the int8
-    forward ranks first (the engine adds nothing). Not promised: that a batch equals each prompt
-    alone. Attention over a padded batch differs in its last bits from attention over one row,
-    and per-token int8 activations can turn that into a different token. vLLM's batches behave
-    the same way. fp16 weights keep such differences at ties."""
+    forward ranks first (the engine adds nothing)."""
     greedy = SamplingParams(temperature=0, max_tokens=24)
     batch = [{"prompt_token_ids": p} for p in head_prompts[:2]]
     first = LLM(loaded=int8_target, max_num_seqs=1).generate(batch, greedy)

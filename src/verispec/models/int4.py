@@ -1,42 +1,82 @@
-"""int4 weight-only matmuls for CPU inference: PyTorch's packed int4 kernel
-(``aten._weight_int4pack_mm_for_cpu``), groups of 32 input columns, bf16 activations.
+"""int4 weight-only matmuls for CPU inference: 4-bit codes in groups of 32 input columns, bf16
+activations, fp32 accumulation and output (``csrc/int4_gemm.cpp``, built on first use; torch's
+``aten._weight_int4pack_mm_for_cpu`` where it cannot be built).
 
 Why: a one-token decode streams every weight once, so fewer bytes per weight is the lever where
-matrices are large (Qwen2.5-Coder-1.5B: a forward's matmuls 1.63x faster than fp16-packed on the
-AVX-512 EPYC, ``benchmarks/results/weight_kernels.md``). On SmolLM2-135M's small matrices it ties
-fp16-packed.
+matrices are large (Qwen2.5-Coder-1.5B). Our kernel decodes each block of codes into registers
+once per pass of up to 8 rows and multiplies pairs of columns with AVX-512 BF16 dot products, so a
+verify over a few tokens costs little more than a decode: Qwen-1.5B's decoder matmuls (2 threads,
+``benchmarks/results/weight_kernels.md``) take about what torch's kernel takes at T = 1 and less at
+T = 2-16. torch's kernel also rounds its output to bf16; ours keeps fp32.
 
 Contract:
 - ``quantize_int4(w, group)``: asymmetric 4-bit codes per group of ``group`` input columns, with a
-  scale and zero point per (row, group) stored in bf16 (the kernel's dtype). The dequantised
-  weight is ``(q - 8) * scale + zero``. A group whose values already sit on a 16-level grid (a
-  GGUF Q4_0 / Q4_1 / Q4_K block of 32) keeps its codes: the GGUF's own 4-bit weights are used, moved
-  only by the bf16 rounding of the zero point (at most 2^-9 of it), not quantised a second time.
-- ``PackedInt4Linear``: the ``nn.Linear``'s weight is overwritten *in place* with its dequantised
-  values (every reader of ``.weight`` sees the numbers the kernel uses: the model simply *is* the
-  int4-weight model). Every input, prefill included, runs the int4 kernel on activations
-  rounded to bf16 (fp32 accumulation; the bias, if any, added in fp32): at 256 tokens it costs
-  what the fp32 BLAS does over the dequantised weight (103 ms on a Qwen-1.5B gate/up matrix), and
-  needs no fp32 copy. A row's result never depends on
-  the other rows of the input (checked by ``tests/test_int4.py``), so speculation stays lossless
-  with respect to the int4 model and a batch cannot change a row.
+  scale and zero point per (row, group) stored in bf16. The dequantised weight is
+  ``(q - 8) * scale + zero``. A group whose values already sit on a 16-level grid (a GGUF Q4_0 /
+  Q4_1 / Q4_K block of 32) keeps its codes: the GGUF's own 4-bit weights are used, moved only by
+  the bf16 rounding of the zero point (at most 2^-9 of it), not quantised a second time.
+- ``PackedInt4Linear``: ``y = bf16(x) @ W.T + b``, W the dequantised weight, fp32 sums. The
+  ``nn.Linear``'s weight is overwritten *in place* with W (every reader of ``.weight`` sees the
+  numbers the kernel uses: the model simply *is* the int4-weight model). Every input, prefill
+  included, runs the same kernel. A row's result never depends on the other rows of the input,
+  on T or on the thread count (bit-identical; ``tests/test_int4.py``), so with the row-invariant
+  attention (``models.attention``) a verify forward computes, per token, what a decode computes:
+  speculation on an int4 target reproduces its vanilla decoding exactly.
+- ``VERISPEC_INT4_KERNEL=torch`` uses torch's kernel instead (bf16 output; not row-invariant in
+  its last bits across T). ``VERISPEC_INT4_ISA=avx2`` runs our AVX2 path on an AVX-512 machine.
 - CPU only, fp32 models, inference only. The fp32 weight is kept for readers, so memory grows by
-  an eighth, unless packed with ``keep_weight=False`` (``Transformer.pack_int4_``'s decoder
+  a fifth, unless packed with ``keep_weight=False`` (``Transformer.pack_int4_``'s decoder
   layers): then one byte of code per weight stays (``packed.PackedLinear``).
 """
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 from torch import nn
 
-from .packed import PackedLinear
+from . import native
+from .packed import PackedLinear, max_threads
 
 GROUP = 32          # input columns per scale/zero pair: the finest the kernel takes, GGUF's block size
 
+_state: dict = {}
 
-def int4_available() -> bool:
+
+def kernel():
+    """Our compiled op module (``pack``, ``linear``, ``isa``), or ``None`` where it cannot be had
+    or ``VERISPEC_INT4_KERNEL=torch`` asks for torch's. Built once per process."""
+    if "module" not in _state:
+        _state["module"] = None
+        if os.environ.get("VERISPEC_INT4_KERNEL", "").strip().lower() == "torch":
+            return None
+        if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+            return None
+        try:
+            ext = native.build("verispec_int4_gemm", "int4_gemm.cpp")
+            if ext.isa() != "none":
+                _state["module"] = ext
+                _register_fake()
+        except Exception as e:                           # no compiler, headers, ninja
+            warnings.warn(f"verispec: {native.failure(e, 'int4_gemm.cpp')}; int4 uses torch's kernel",
+                          RuntimeWarning, stacklevel=2)
+    return _state["module"]
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("verispec_int4::linear")
+    def _(x, buf, meta, bias, max_threads, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _torch_kernel() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and \
         torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
+
+def int4_available() -> bool:
+    return kernel() is not None or _torch_kernel()
 
 
 def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,7 +108,17 @@ class PackedInt4Linear(PackedLinear):
         codes, self._sz, deq = quantize_int4(linear.weight, group)
         self.group = group
         self._hold(linear, deq, keep_weight, (codes.to(torch.uint8),))
-        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        del deq
+        ext = kernel() if group == GROUP else None
+        self.backend = "verispec" if ext is not None else "torch"
+        if ext is not None:
+            scale, zero = self._sz.transpose(0, 1).unbind(-1)                # [N, K/group] bf16 each
+            self._buf, self._meta = ext.pack(codes.to(torch.uint8), scale.contiguous(), zero.contiguous())
+            self._bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
+            self._max_threads = max_threads(codes.numel())
+            self._linear = ext.linear                    # the pybind entry: the cheapest eager call
+        else:
+            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
 
     def _expand(self, out: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """``quantize_int4``'s dequantised weight, from the codes and the kernel's scale/zero pairs
@@ -82,6 +132,12 @@ class PackedInt4Linear(PackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             raise TypeError(f"int4-packed linear takes fp32 activations, got {x.dtype}")
+        if self.backend == "verispec":
+            x = x.contiguous()
+            if torch.compiler.is_compiling():
+                return torch.ops.verispec_int4.linear(x, self._buf, self._meta, self._bias, self._max_threads,
+                                                      self.out_features)
+            return self._linear(x, self._buf, self._meta, self._bias, self._max_threads)
         flat = x.reshape(-1, self.in_features).bfloat16()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._packed, self.group, self._sz).float()
         if self.bias is not None:
@@ -89,7 +145,8 @@ class PackedInt4Linear(PackedLinear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 packed (group {self.group})"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int4 packed (group {self.group}, {self.backend} kernel)")
 
 
 def pack_int4_(model: nn.Module, names: tuple[str, ...], group: int = GROUP, keep_weight: bool = True) -> int:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import attend
 from .config import ModelConfig, UnsupportedModelError
 from .kv_cache import CacheFullError, KVCache, Rows
 
@@ -123,8 +124,7 @@ class Attention(nn.Module):
         if cache is not None:
             cache.write(self.layer, rows, slots, k, v)
             k, v = cache.read(self.layer, cache.view_rows(rows) if select is None else select, used)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kvh != self.h,
-                                             scale=self.scale)
+        out = attend(q, k, v, mask, self.scale)
         return self.wo(out.transpose(1, 2).reshape(b, t, self.h * self.d))
 
 

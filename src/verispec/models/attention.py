@@ -1,0 +1,100 @@
+"""Attention of the target's forward: row-invariant on the CPU for decode and verify inputs
+(``csrc/attention.cpp``, built on first use), torch's ``scaled_dot_product_attention`` otherwise.
+
+Why: speculation is lossless when a verify forward computes, for each accepted token, what a
+one-token decode would have computed. Every packed matmul op (fp16, int4, int8) and every per-row
+op (norms, RoPE, SiLU) already does; torch's SDPA does not (its CPU kernels block a one-token and a
+several-token query differently, and a token's output moves in its last bits). Rounded
+activations (int8 codes per token, bf16) amplify those bits into different logits, and greedy
+speculation then drifts from greedy decoding on near-ties. The C++ op computes each query row from
+the keys its mask shows, in slot order, with the same instructions whatever T, the batch or the
+thread count: a verify row's output is bit-identical to the decode's (``tests/test_attention.py``).
+
+Contract of ``attend(q, k, v, mask, scale)`` (q [B,H,T,D], k/v [B,KVH,S,D], bool mask
+[B,1,T,S]; returns [B,H,T,D]):
+- the C++ op runs when the inputs are float32 CPU tensors without autograd, T is below
+  ``packed.DENSE_MIN_ROWS`` (decode, verification: prefill chunks keep SDPA's flash kernel), the
+  head size is a multiple of 16 up to 256 and the op is available; SDPA otherwise. Which one runs
+  depends on T and the model's shapes only, never on the batch or the drafter.
+- ``VERISPEC_ATTENTION=sdpa`` turns the op off for the process (comparisons, debugging).
+- Numbers: softmax attention within about 1e-6 of SDPA (a polynomial exp, fp32 sums in slot order).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+from .packed import DENSE_MIN_ROWS, max_threads
+
+_state: dict = {}
+_OFF = os.environ.get("VERISPEC_ATTENTION", "").strip().lower() == "sdpa"
+
+
+def kernel():
+    """The compiled op module (``attention``, ``isa``), or ``None`` where it cannot be had (see
+    ``unavailable_reason``). Built once per process."""
+    if "module" not in _state:
+        _state["module"], _state["reason"] = None, None
+        if _OFF:
+            _state["reason"] = "turned off by VERISPEC_ATTENTION=sdpa"
+        elif torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+            _state["reason"] = "this CPU has no AVX2"
+        else:
+            try:
+                ext = native.build("verispec_attn", "attention.cpp")
+                if ext.isa() == "none":
+                    _state["reason"] = "this CPU has neither AVX2 nor AVX-512"
+                else:
+                    _state["module"] = ext
+                    _register_fake()
+            except Exception as e:                       # no compiler, headers, ninja
+                _state["reason"] = native.failure(e, "attention.cpp")
+                warnings.warn(f"verispec: {_state['reason']}; attention falls back to torch's SDPA "
+                              "(speculation on rounded activations is then not bit-exact)", RuntimeWarning,
+                              stacklevel=2)
+    return _state["module"]
+
+
+def available() -> bool:
+    return kernel() is not None
+
+
+def unavailable_reason() -> str | None:
+    kernel()
+    return _state["reason"]
+
+
+def row_invariant(cfg) -> bool:
+    """Whether a model of config ``cfg`` (``ModelConfig``) runs its decode and verify forwards
+    through the row-invariant op on the CPU (fp32)."""
+    return cfg.head_dim % 16 == 0 and cfg.head_dim <= 256 and available()
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("verispec_attn::attention")
+    def _(q, k, v, mask, scale, max_threads):
+        b, h, t, d = q.shape
+        return q.new_empty((b, t, h, d)).permute(0, 2, 1, 3)
+
+
+def uses_op(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether ``attend`` runs the row-invariant op for these inputs (see the module docstring)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[2] < DENSE_MIN_ROWS
+            and mask is not None and mask.dtype == torch.bool and mask.dim() == 4
+            and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256
+            and not (torch.is_grad_enabled() and q.requires_grad) and available())
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float | None) -> torch.Tensor:
+    """Softmax attention of ``q`` over ``k``/``v`` under a bool ``mask`` (True: attend); grouped
+    query heads when k/v have fewer heads. See the module docstring."""
+    if uses_op(q, mask):
+        s = q.shape[-1] ** -0.5 if scale is None else scale
+        return torch.ops.verispec_attn.attention(q, k, v, mask, float(s), max_threads(0))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1],
+                                          scale=scale)
