@@ -1,26 +1,28 @@
-// int4 weight-only linear for small inputs (decode and verify forwards: a few tokens): 4-bit codes
-// in groups of 32 input columns with a bf16 scale and zero point per (output channel, group), fp32
-// activations, fp32 accumulation, over all of ATen's threads.
+// int4 weight-only linear: 4-bit codes in groups of 32 input columns with a bf16 scale and zero
+// point per (output channel, group), activations rounded to bf16, fp32 sums and fp32 output, over
+// all of ATen's threads.
 //
 // Why: torch's int4pack kernel (aten._weight_int4pack_mm_for_cpu) grows with the token count T
-// almost as fast as a compute-bound GEMM (Qwen2.5-Coder-1.5B's forward: measured in
-// benchmarks/results/weight_kernels.md), so a verify over a few draft tokens costs several
-// one-token decodes and speculation cannot pay. A decode streams every weight once and is
-// memory-bound; this kernel decodes a block of weights into registers once per pass of up to 8
-// rows, so a few more rows add float multiply-adds, not memory traffic.
+// about as fast as a compute-bound GEMM, so a verify over a few draft tokens costs several
+// one-token decodes and speculation cannot pay; it also rounds its output to bf16. A decode is
+// memory-bound: this kernel decodes a block of codes into registers once per pass of up to 8 rows
+// and multiplies two columns at a time with AVX-512 BF16 dot products (vdpbf16ps: 32 products an
+// instruction), so a few more rows add dot products, not memory traffic.
 //
 // Arithmetic, per output channel c and group g (q the codes, s and z the group's scale and zero
-// point, the dequantised weight being (q - 8) * s + z):
+// point, the dequantised weight being (q - 8) * s + z, x the bf16-rounded inputs):
 //     y[c] += s * (sum_j x_j * q_j) + (z - 8 s) * (sum_j x_j)
-// with the inner sums in a fixed order (column pairs 0..15 of the group, low nibble then high) and
-// the groups in order. Every row runs the same instructions whatever the other rows, the pass size
-// or the thread count (threads split output channels), so a row's result is bit-identical in a
-// decode, a verify and a batch.
+// with the inner sums in a fixed order (column pairs of the group in order) and the groups in
+// order. Every row runs the same instructions whatever the other rows, the pass size or the
+// thread count (threads split output channels), so a row's result is bit-identical in a decode, a
+// verify and a batch. The AVX2 path (CPUs without AVX-512 BF16) computes the same sums with fp32
+// multiply-adds, in its own (equally fixed) order.
 //
-// Packed layout (uint8 tensor, 64-byte aligned at meta[4]): per block of 16 output channels, per
-// group of 32 input columns, 16 column pairs x 16 lanes of one byte (low nibble: the even column,
-// high nibble: the odd one), then 16 bf16 scales and 16 bf16 zero points (320 bytes per block and
-// group). meta = [K, N, groups, offset].
+// Packed layout (uint8 tensor, 64-byte aligned at meta[3]): per block of 16 output channels, per
+// group of 32 input columns, 4 chunks of 64 bytes (8 columns each: one 32-bit word per channel,
+// holding columns 0, 2, 4, 6 in its low 16 bits and 1, 3, 5, 7 in its high 16 bits, 4 bits each),
+// then 16 bf16 scales and 16 bf16 zero points: 320 bytes per block and group.
+// meta = [K, N, groups, offset].
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "op_util.h"

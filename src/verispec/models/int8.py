@@ -18,10 +18,12 @@ Contract:
   point; ``qmax`` 255 with AVX-512 VNNI, 127 with AVX2, where the kernel's int16 pair sums would
   otherwise saturate), the dot products are exact int32 sums, and the float epilogue reads only
   that row's numbers. So a row's product never depends on the other rows of the input (T, batch)
-  or on the thread count (checked by ``tests/test_int8.py``). The forward as a whole is not:
-  attention's last-bit differences between a one-token decode and a verify (or a padded batch)
-  can move an activation code, by up to ~2 in the logits, so ``LLM`` refuses speculation on int8
-  weights. Longer inputs (prefill) run the fp32 BLAS over the same dequantised weights.
+  or on the thread count (checked by ``tests/test_int8.py``). With the row-invariant attention
+  (``models.attention``) the whole small-T forward is too, so speculation on int8 weights
+  reproduces int8 vanilla token for token and a batch equals each prompt alone. Without that op,
+  SDPA's last-bit differences between a one-token decode and a verify (or a padded batch) move
+  activation codes (logits by up to ~2), and ``LLM`` refuses speculation on int8 weights. Longer
+  inputs (prefill) run the fp32 BLAS over the same dequantised weights.
 - ``Transformer.pack_int8_`` packs every decoder matmul; the LM head stays fp16-packed (drafters
   read tokens through its rows, ``packed.shared_reader``).
 - CPU only, fp32 models, inference only. The fp32 weight is kept (readers, prefill), so memory
