@@ -145,3 +145,38 @@ def test_greedy_on_int4_target_equals_its_vanilla(int4_target, head_prompts, spe
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(o.metrics.num_drafts for o in got) > 0
     assert int4_target.weights is WeightFormat.INT4
+
+
+@pytest.fixture(scope="module")
+def int4_all_target():
+    return load_model("smollm2-135m", dtype="float32", weights="int4-all")
+
+
+def test_int4_all_packs_the_tied_head_too(int4_all_target, head_prompts, single_thread):
+    """``int4-all``: the LM head runs the int4 kernel, the tied embedding reads the same
+    dequantised rows, and the forward stays row-invariant (verify == decodes, bit for bit)."""
+    from verispec.models.int4 import kernel
+    m = int4_all_target.model
+    assert isinstance(m.lm_head, PackedInt4Linear) and int4_all_target.weights is WeightFormat.INT4_ALL
+    assert m.embed.weight is m.lm_head.weight                                 # tied, dequantised in place
+    _, _, deq = quantize_int4(m.embed.weight)
+    assert torch.equal(deq, m.embed.weight)                                   # already on the 4-bit grid
+    if kernel() is not None:
+        verify, decode = verify_and_decode_logits(m, head_prompts[0])
+        assert torch.equal(verify, decode)
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "eagle", "num_speculative_tokens": 2},
+], ids=["ngram", "eagle1-reads-the-int4-head"])
+def test_greedy_on_int4_all_equals_its_vanilla(int4_all_target, head_prompts, spec):
+    from verispec.models.int4 import kernel
+    if kernel() is None:
+        pytest.skip("torch's int4 kernel is not row-invariant")
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    batch = [{"prompt_token_ids": p} for p in head_prompts[:2]]
+    want = LLM(loaded=int4_all_target, max_num_seqs=2).generate(batch, greedy)
+    got = LLM(loaded=int4_all_target, max_num_seqs=2, speculative_config=spec).generate(batch, greedy)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics.num_drafts for o in got) > 0

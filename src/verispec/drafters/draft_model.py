@@ -24,7 +24,7 @@ from torch import nn
 
 from ..draft_vocab import DraftVocab
 from ..models.kv_cache import KVCache
-from ..models.packed import PackedFP16Linear
+from ..models.packed import PackedFP16Linear, PackedLinear
 from ..models.transformer import Transformer
 from ..sampling import target_probs
 from ..tree import ChoicesFiller, DraftTree, pack_trees, validate_choices
@@ -240,8 +240,17 @@ def with_vocab_head(model: Transformer, vocab: DraftVocab) -> Transformer:
     small.weight = nn.Parameter(rows, requires_grad=False)
     new = copy.copy(model)
     new._modules = dict(model._modules)       # a shallow copy must not share the module table
-    new.lm_head = PackedFP16Linear(small) if isinstance(head, PackedFP16Linear) else small.to(rows.dtype)
+    new.lm_head = _packed_like(head, small) if isinstance(head, PackedLinear) else small.to(rows.dtype)
     return new
+
+
+def _packed_like(head: PackedLinear, small: nn.Linear) -> PackedLinear:
+    """``small`` packed as ``head`` is: int4 (an ``int4-all`` draft; the rows already sit on the
+    int4 grid, so their codes are kept) where the row count allows, fp16 otherwise."""
+    from ..models.int4 import PackedInt4Linear
+    if isinstance(head, PackedInt4Linear) and small.out_features % 16 == 0:
+        return PackedInt4Linear(small)
+    return PackedFP16Linear(small)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

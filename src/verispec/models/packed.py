@@ -47,11 +47,15 @@ from . import fp16_kernel
 class WeightFormat(str, enum.Enum):
     """How the CPU forward's matmul weights are held: as loaded, fp16-packed (this module), or for
     the decoder layers int4 weight-only (``int4``) or int8 weights with int8 activations per token
-    (``int8``), the LM head fp16-packed in both."""
+    (``int8``), the LM head fp16-packed in both; ``int4-all``: int4 in the LM head too (its rows,
+    which a tied embedding and tied draft heads read, become the dequantised int4 values: about
+    a third of a 1.5B model's bytes per token less, at a quality cost measured in
+    ``benchmarks/results/weights_quality_*.md``)."""
     DENSE = "dense"
     FP16 = "fp16"
     INT4 = "int4"
     INT8 = "int8"
+    INT4_ALL = "int4-all"
 
     @classmethod
     def parse(cls, value: "str | WeightFormat") -> "WeightFormat":
@@ -319,11 +323,12 @@ def follows_packed_target(target, module: nn.Module) -> bool:
     return target.weights != WeightFormat.DENSE and next(module.parameters()).dtype == torch.float32
 
 
-def shared_reader(weight: torch.Tensor, owner: nn.Module) -> PackedFP16Linear:
+def shared_reader(weight: torch.Tensor, owner: nn.Module) -> PackedLinear:
     """The target's packed module ``owner`` as the reader of ``weight`` (a head that reads tokens
-    through the target's LM head): it is already rounded and packed, so nothing is packed twice.
-    Raises unless ``owner`` is packed over the very storage of ``weight``."""
-    if not (isinstance(owner, PackedFP16Linear) and owner.weight.shape == weight.shape
-            and owner.weight.data_ptr() == weight.data_ptr()):
+    through the target's LM head): it is already rounded and packed (fp16, or int4 with
+    ``int4-all``), so nothing is packed twice. Raises unless ``owner`` is packed over the very
+    storage of ``weight``."""
+    kept = isinstance(owner, PackedLinear) and owner.__dict__.get("_compact") is None
+    if not (kept and owner.weight.shape == weight.shape and owner.weight.data_ptr() == weight.data_ptr()):
         raise ValueError("the head's LM-head weight is not the packed target's: pack the target first")
     return owner

@@ -323,11 +323,16 @@ class Transformer(nn.Module):
         pack_fp16_(self, self._release_unfused_(), keep_weight=False)
         return self._packed_head_()
 
-    def pack_int4_(self) -> "Transformer":
-        """int4 weight-only matmuls in every decoder layer (``int4``), the LM head fp16-packed:
-        its rows are what drafters read through, and 4 bits there cost the most quality."""
+    def pack_int4_(self, head: bool = False) -> "Transformer":
+        """int4 weight-only matmuls in every decoder layer (``int4``), the LM head fp16-packed
+        (its rows are what drafters read through, and 4 bits there cost the most quality), or int4
+        too with ``head`` (``int4-all``: its fp32 parameter, tied to the embedding, is kept and
+        holds the dequantised values)."""
         from .int4 import pack_int4_
         pack_int4_(self, self._release_unfused_(), keep_weight=False)
+        if head:
+            pack_int4_(self, ("lm_head",))
+            return self
         return self._packed_head_()
 
     def pack_int8_(self) -> "Transformer":
