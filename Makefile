@@ -95,24 +95,32 @@ llamacpp: $(VENV)/.llamacpp
 
 bench-llamacpp: $(VENV)/.llamacpp
 	$(BIN)/python benchmarks/decode_speed.py --model smollm2-135m --per-category 2 --max-tokens 128
-	$(BIN)/verispec bench --model smollm2-135m --weights fp16 --threads 2 --per-category 2 --max-tokens 128 \
-	  --compile --methods vanilla,ngram,ngram-x1,ngram3,eagle3,llamacpp,llamacpp-pld \
+	$(BIN)/verispec bench --model smollm2-135m --weights int4 --threads 2 --per-category 2 --max-tokens 128 \
+	  --compile --methods vanilla,ngram,ngram-x1,eagle3,llamacpp,llamacpp-pld \
 	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
-	  --method-config 'ngram3={"method":"ngram","num_speculative_tokens":3}' \
-	  --name llamacpp-smollm2 --out benchmarks/results/spec_bench/llamacpp_smollm2
+	  --name exact-int4-smollm2 --out benchmarks/results/spec_bench/exact_int4_smollm2
+	$(BIN)/verispec bench --model smollm2-135m --weights int8 --threads 2 --per-category 2 --max-tokens 128 \
+	  --compile --methods vanilla,ngram-x1,eagle3,llamacpp \
+	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
+	  --name exact-int8-smollm2 --out benchmarks/results/spec_bench/exact_int8_smollm2
 
-# The same two comparisons on Qwen2.5-Coder-1.5B (int4 weights; the 0.5B draft, ngram, llama.cpp's draft mode).
+# The same two comparisons on Qwen2.5-Coder-1.5B (int4 and int4-all weights; the 0.5B draft, ngram, llama.cpp's draft mode).
+QWEN_DRAFT = 'draft-v64k={"method":"draft_model","model":"qwen2.5-coder-0.5b","num_speculative_tokens":4,"draft_vocab":"qwen2.5-coder-draft-vocab-64k/draft_vocab.safetensors"}'
 bench-llamacpp-qwen: $(VENV)/.llamacpp qwen
 	$(BIN)/python benchmarks/decode_speed.py --model qwen2.5-coder-1.5b --per-category 1 --max-tokens 128 \
 	  --variants fp16@legacy,int4+compile,llamacpp
 	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4 --threads 2 --per-category 1 --max-tokens 128 \
-	  --compile --methods vanilla,ngram,draft-v64k,llamacpp,llamacpp-draft \
-	  --method-config 'draft-v64k={"method":"draft_model","model":"qwen2.5-coder-0.5b","num_speculative_tokens":4,"draft_vocab":"qwen2.5-coder-draft-vocab-64k/draft_vocab.safetensors"}' \
-	  --name llamacpp-qwen --out benchmarks/results/spec_bench/llamacpp_qwen
+	  --compile --methods vanilla,ngram,ngram-x1,draft-v64k,llamacpp,llamacpp-draft --method-config $(QWEN_DRAFT) \
+	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
+	  --name exact-int4-qwen --out benchmarks/results/spec_bench/exact_int4_qwen
+	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4-all --threads 2 --per-category 1 --max-tokens 128 \
+	  --compile --methods vanilla,ngram-x1,draft-v64k,llamacpp --method-config $(QWEN_DRAFT) \
+	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
+	  --name exact-int4-all-qwen --out benchmarks/results/spec_bench/exact_int4_all_qwen
 
 # The quality cost of each weights option against fp32 (perplexity, greedy agreement).
 bench-weights: sharegpt
-	$(BIN)/python benchmarks/weights_quality.py --model smollm2-135m --weights fp16,int4,int8
+	$(BIN)/python benchmarks/weights_quality.py --model smollm2-135m --weights fp16,int4,int4-all,int8
 
 bench-heads: $(STAMP)
 	$(BIN)/python benchmarks/trained_heads.py

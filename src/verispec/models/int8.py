@@ -6,7 +6,7 @@ integer dot products (AVX-512 VNNI: 64 multiply-adds an instruction) also keep a
 tokens cheaper than the fp16 kernel's float ones. Measured on SmolLM2-135M's shapes (2 threads,
 all matmuls of one forward): 6.6 ms against fp16-packed's 9.1 at T = 1, 12.9 against 14.9 at T = 8
 (``benchmarks/results/weight_kernels.md``). Its quality cost is larger than int4's (perplexity
-+1.13% against fp32, ``weights_quality_smollm2-135m.md``): 8-bit codes per whole activation row.
++1.55% against fp32, ``weights_quality_smollm2-135m.md``): 8-bit codes per whole activation row.
 
 Contract:
 - ``quantize_int8(w)``: symmetric codes in -127..127 with one fp32 scale per output channel
