@@ -129,8 +129,12 @@ class DraftModelDrafter:
         return out[:, 0]
 
     def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, **kw) -> torch.Tensor:
-        """Draft forward on the draft cache; logits over the full target vocabulary."""
-        host = rows.tolist() if self._compiled is not None else None
+        """Draft forward on the draft cache; logits over the full target vocabulary. The compiled
+        forward serves the step shapes (chain steps and short catch-ups); a long feed (a new
+        prompt) runs eager: at prefill lengths the forward takes other branches (SDPA, the fp32
+        BLAS), which would compile a new graph in the middle of a timed run."""
+        short = tokens.shape[1] <= self.max_tree_nodes + 2
+        host = rows.tolist() if self._compiled is not None and short else None
         if host is not None and host == list(range(len(host))):
             if "logits_index" not in kw and "attn_mask" not in kw:        # chain steps: the catch-up's graph
                 kw["logits_index"] = torch.full((len(host), 1), tokens.shape[1] - 1, device=self.device)
