@@ -114,7 +114,8 @@ bench-llamacpp-qwen: $(VENV)/.llamacpp qwen
 	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
 	  --name exact-int4-qwen --out benchmarks/results/spec_bench/exact_int4_qwen
 	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4-all --threads 2 --per-category 1 --max-tokens 128 \
-	  --compile --methods vanilla,ngram-x1,draft-v64k,llamacpp --method-config $(QWEN_DRAFT) \
+	  --compile --methods vanilla,ngram-x1,draft-v64k,draft-v64k-k3,llamacpp --method-config $(QWEN_DRAFT) \
+	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \
 	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
 	  --name exact-int4-all-qwen --out benchmarks/results/spec_bench/exact_int4_all_qwen
 
