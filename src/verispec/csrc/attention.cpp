@@ -117,6 +117,26 @@ int64_t scores(const Row& r, float* sc, Dot dot) {
   return n;
 }
 
+// The scalar steps every path shares: a row that sees no key gets zeros; the max and the sum of
+// the compacted scores, left to right.
+inline bool blind_row(const Row& r, int64_t n) {
+  if (n > 0) return false;
+  for (int64_t i = 0; i < r.d; ++i) r.out[i] = 0.f;
+  return true;
+}
+
+inline float row_max(const float* sc, int64_t n) {
+  float m = sc[0];
+  for (int64_t j = 1; j < n; ++j) m = std::max(m, sc[j]);
+  return m;
+}
+
+inline float row_sum(const float* sc, int64_t n) {
+  float l = 0.f;
+  for (int64_t j = 0; j < n; ++j) l += sc[j];
+  return l;
+}
+
 __attribute__((target("avx512f"))) float dot512(const float* a, const float* b, int64_t d) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
@@ -125,17 +145,11 @@ __attribute__((target("avx512f"))) float dot512(const float* a, const float* b, 
 
 __attribute__((target("avx512f"))) void row512(const Row& r, float* sc) {
   const int64_t n = scores(r, sc, dot512);
+  if (blind_row(r, n)) return;
   const int64_t d = r.d;
-  if (n == 0) {
-    for (int64_t i = 0; i < d; ++i) r.out[i] = 0.f;
-    return;
-  }
-  float m = sc[0];
-  for (int64_t j = 1; j < n; ++j) m = std::max(m, sc[j]);
-  const __m512 mv = _mm512_set1_ps(m);
+  const __m512 mv = _mm512_set1_ps(row_max(sc, n));
   for (int64_t j = 0; j < n; j += 16) _mm512_storeu_ps(sc + j, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mv)));
-  float l = 0.f;
-  for (int64_t j = 0; j < n; ++j) l += sc[j];
+  const float l = row_sum(sc, n);
   __m512 acc[16];                                   // D <= 256
   const int64_t nv = d / 16;
   for (int64_t i = 0; i < nv; ++i) acc[i] = _mm512_setzero_ps();
@@ -160,17 +174,11 @@ __attribute__((target("avx2,fma"))) float dot256(const float* a, const float* b,
 
 __attribute__((target("avx2,fma"))) void row256(const Row& r, float* sc) {
   const int64_t n = scores(r, sc, dot256);
+  if (blind_row(r, n)) return;
   const int64_t d = r.d;
-  if (n == 0) {
-    for (int64_t i = 0; i < d; ++i) r.out[i] = 0.f;
-    return;
-  }
-  float m = sc[0];
-  for (int64_t j = 1; j < n; ++j) m = std::max(m, sc[j]);
-  const __m256 mv = _mm256_set1_ps(m);
+  const __m256 mv = _mm256_set1_ps(row_max(sc, n));
   for (int64_t j = 0; j < n; j += 8) _mm256_storeu_ps(sc + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv)));
-  float l = 0.f;
-  for (int64_t j = 0; j < n; ++j) l += sc[j];
+  const float l = row_sum(sc, n);
   __m256 acc[32];
   const int64_t nv = d / 8;
   for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
