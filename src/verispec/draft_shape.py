@@ -316,12 +316,15 @@ def cost_key(target, head_folder: str | Path, kind: str) -> str:
     # under PASSIVE): the packed modules' backend and the policy are part of the key
     backends = sorted({getattr(m, "backend", "") for m in target.model.modules() if hasattr(m, "backend")})
     omp = os.environ.get("OMP_WAIT_POLICY", "default")
+    from .models import attention
+    cfg = getattr(target.model, "cfg", None)
+    attn = "op" if cfg is not None and attention.row_invariant(cfg) else "sdpa"      # which attention runs
     head = Path(head_folder)
     stamp = [str(head.resolve())] + [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}"
                                      for p in sorted(head.glob("*")) if p.is_file()]
     parts = [cpu, str(os.cpu_count()), torch.__version__, str(torch.get_num_threads()), str(target.name),
              str(getattr(target, "weights", "")) + "/" + "+".join(b for b in backends if b), f"omp={omp}",
-             str(model.dtype), str(model.device), kind,
+             f"attn={attn}", str(model.dtype), str(model.device), kind,
              hashlib.sha1("|".join(stamp).encode()).hexdigest()[:12]]
     return "|".join(parts)
 
