@@ -106,7 +106,7 @@ class DraftModelDrafter:
             self.cache.rollback(torch.tensor([r.row], device=self.device), m)
             del have[m:]
             feeds.append(r.context[m:])
-        short = [i for i, f in enumerate(feeds) if len(f) <= self.max_tree_nodes + 2]
+        short = [i for i, f in enumerate(feeds) if self._short(len(f))]
         groups = ([short] if short else []) + [[i] for i in range(len(feeds)) if i not in set(short)]
         logits = [None] * len(feeds)
         for group in groups:
@@ -114,6 +114,11 @@ class DraftModelDrafter:
             for j, i in enumerate(group):
                 logits[i] = out[j]
         return torch.stack(logits)
+
+    def _short(self, length: int) -> bool:
+        """A feed of ``length`` tokens is a step's (accepted tokens + root, or a chain step): such
+        feeds share one padded forward, through the compiled forward when there is one."""
+        return length <= self.max_tree_nodes + 2
 
     def _feed(self, requests: list[DraftRequest], feeds: list[list[int]]) -> torch.Tensor:
         dev = self.device
@@ -133,8 +138,7 @@ class DraftModelDrafter:
         forward serves the step shapes (chain steps and short catch-ups); a long feed (a new
         prompt) runs eager: at prefill lengths the forward takes other branches (SDPA, the fp32
         BLAS), which would compile a new graph in the middle of a timed run."""
-        short = tokens.shape[1] <= self.max_tree_nodes + 2
-        host = rows.tolist() if self._compiled is not None and short else None
+        host = rows.tolist() if self._compiled is not None and self._short(tokens.shape[1]) else None
         if host is not None and host == list(range(len(host))):
             if "logits_index" not in kw and "attn_mask" not in kw:        # chain steps: the catch-up's graph
                 kw["logits_index"] = torch.full((len(host), 1), tokens.shape[1] - 1, device=self.device)

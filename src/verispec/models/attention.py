@@ -68,10 +68,15 @@ def unavailable_reason() -> str | None:
     return _state["reason"]
 
 
+def _head_fits(d: int) -> bool:
+    """The op's head sizes: a multiple of 16, at most 256."""
+    return d % 16 == 0 and d <= 256
+
+
 def row_invariant(cfg) -> bool:
     """Whether a model of config ``cfg`` (``ModelConfig``) runs its decode and verify forwards
     through the row-invariant op on the CPU (fp32)."""
-    return cfg.head_dim % 16 == 0 and cfg.head_dim <= 256 and available()
+    return _head_fits(cfg.head_dim) and available()
 
 
 def _register_fake() -> None:
@@ -85,7 +90,7 @@ def uses_op(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether ``attend`` runs the row-invariant op for these inputs (see the module docstring)."""
     return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[2] < DENSE_MIN_ROWS
             and mask is not None and mask.dtype == torch.bool and mask.dim() == 4
-            and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256
+            and _head_fits(q.shape[-1])
             and not (torch.is_grad_enabled() and q.requires_grad) and available())
 
 

@@ -107,13 +107,14 @@ class PackedInt4Linear(PackedLinear):
             raise ValueError(f"int4 weights need the output size ({linear.out_features}) to be a multiple of 16")
         codes, self._sz, deq = quantize_int4(linear.weight, group)
         self.group = group
-        self._hold(linear, deq, keep_weight, (codes.to(torch.uint8),))
+        codes8 = codes.to(torch.uint8)
+        self._hold(linear, deq, keep_weight, (codes8,))
         del deq
         ext = kernel() if group == GROUP else None
         self.backend = "verispec" if ext is not None else "torch"
         if ext is not None:
             scale, zero = self._sz.transpose(0, 1).unbind(-1)                # [N, K/group] bf16 each
-            self._buf, self._meta = ext.pack(codes.to(torch.uint8), scale.contiguous(), zero.contiguous())
+            self._buf, self._meta = ext.pack(codes8, scale.contiguous(), zero.contiguous())
             self._bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
             self._max_threads = max_threads(codes.numel())
             self._linear = ext.linear                    # the pybind entry: the cheapest eager call
