@@ -103,6 +103,25 @@ def test_shared_compiled_forward_is_one_per_model():
     assert CompiledForward.shared(a).model is a
 
 
+def test_a_model_changed_after_compiling_gets_a_new_compiled_forward():
+    """The graphs do not guard the model's modules; ``shared`` notices a structural change (here
+    fp16 packing after the first compile) by its signature and compiles anew: same logits as the
+    packed model's eager forward."""
+    model = tiny_llama(48, 32, 1, seed=4).fuse_()
+    first = CompiledForward.shared(model)
+    toks, pos = torch.tensor([[3]]), torch.tensor([[5]])
+    with torch.inference_mode():
+        cache = KVCache.for_model(model.cfg, 1, 64)
+        cache.advance([0], 5)
+        first(toks, pos, cache, kv_len=cache.kv_len([0], 1))
+        model.pack_fp16_()
+        again = CompiledForward.shared(model)
+        assert again is not first and CompiledForward.shared(model) is again
+        got = again(toks, pos, cache, kv_len=cache.kv_len([0], 1)).logits
+        want = model(toks, pos, cache, kv_len=cache.kv_len([0], 1)).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_multi_token_forwards_share_one_graph(tiny):
     """Prefill and verify forwards of any length reuse one graph (no recompile per new length)."""
     model, compiled = tiny
