@@ -145,8 +145,9 @@ def test_without_the_attention_op_speculation_is_refused(int8_target, monkeypatc
     """SDPA's last-bit differences between a decode and a verify move per-token int8 codes (logits
     by up to ~2): without the op an LLM refuses to speculate on int8 weights."""
     from verispec.models import attention
-    monkeypatch.setitem(attention._state, "module", None)
-    monkeypatch.setitem(attention._state, "reason", "test")
+    attention.kernel()
+    monkeypatch.setattr(attention._OP, "_module", None)
+    monkeypatch.setattr(attention._OP, "_reason", "test")
     with pytest.raises(ValueError, match="row-invariant attention"):
         LLM(loaded=int8_target, speculative_config={"method": "ngram"})
 

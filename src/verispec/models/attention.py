@@ -22,7 +22,6 @@ Contract of ``attend(q, k, v, mask, scale)`` (q [B,H,T,D], k/v [B,KVH,S,D], bool
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -30,33 +29,27 @@ import torch.nn.functional as F
 from . import native
 from .packed import DENSE_MIN_ROWS, max_threads
 
-_state: dict = {}
 _OFF = os.environ.get("VERISPEC_ATTENTION", "").strip().lower() == "sdpa"
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("verispec_attn::attention")
+    def _(q, k, v, mask, scale, max_threads):
+        b, h, t, d = q.shape
+        return q.new_empty((b, t, h, d)).permute(0, 2, 1, 3)
+
+
+_OP = native.NativeOp("verispec_attn", "attention.cpp", no_isa="neither AVX2 nor AVX-512",
+                      off=lambda: "turned off by VERISPEC_ATTENTION=sdpa" if _OFF else None,
+                      fake=_register_fake,
+                      fallback="attention falls back to torch's SDPA (speculation on rounded activations "
+                               "is then not bit-exact)")
 
 
 def kernel():
     """The compiled op module (``attention``, ``isa``), or ``None`` where it cannot be had (see
     ``unavailable_reason``). Built once per process."""
-    if "module" not in _state:
-        _state["module"], _state["reason"] = None, None
-        if _OFF:
-            _state["reason"] = "turned off by VERISPEC_ATTENTION=sdpa"
-        elif torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-            _state["reason"] = "this CPU has no AVX2"
-        else:
-            try:
-                ext = native.build("verispec_attn", "attention.cpp")
-                if ext.isa() == "none":
-                    _state["reason"] = "this CPU has neither AVX2 nor AVX-512"
-                else:
-                    _state["module"] = ext
-                    _register_fake()
-            except Exception as e:                       # no compiler, headers, ninja
-                _state["reason"] = native.failure(e, "attention.cpp")
-                warnings.warn(f"verispec: {_state['reason']}; attention falls back to torch's SDPA "
-                              "(speculation on rounded activations is then not bit-exact)", RuntimeWarning,
-                              stacklevel=2)
-    return _state["module"]
+    return _OP.module()
 
 
 def available() -> bool:
@@ -64,8 +57,7 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    kernel()
-    return _state["reason"]
+    return _OP.reason()
 
 
 def _head_fits(d: int) -> bool:
@@ -77,13 +69,6 @@ def row_invariant(cfg) -> bool:
     """Whether a model of config ``cfg`` (``ModelConfig``) runs its decode and verify forwards
     through the row-invariant op on the CPU (fp32)."""
     return _head_fits(cfg.head_dim) and available()
-
-
-def _register_fake() -> None:
-    @torch.library.register_fake("verispec_attn::attention")
-    def _(q, k, v, mask, scale, max_threads):
-        b, h, t, d = q.shape
-        return q.new_empty((b, t, h, d)).permute(0, 2, 1, 3)
 
 
 def uses_op(q: torch.Tensor, mask: torch.Tensor | None) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 
 import torch
 
@@ -35,32 +34,24 @@ def _register_fake() -> None:
         return x.new_empty((*x.shape[:-1], out_features))
 
 
+_OP = native.NativeOp(
+    "verispec_fp16_gemm", "fp16_gemm.cpp", fake=_register_fake, fallback="fp16-packed matmuls run torch's "
+    "single-threaded op", off=lambda: f"{ENV}=torch" if os.environ.get(ENV, "").lower() == "torch" else None,
+    precondition=lambda: None if hasattr(torch, "fbgemm_pack_gemm_matrix_fp16")
+    else "no FBGEMM fp16 kernels in this torch build / CPU")
+
+
 def kernel():
     """The compiled op module, or ``None`` (see ``unavailable_reason``). Built once per process."""
     if _state.get("off"):
         return None
-    if "module" not in _state:
-        _state["module"], _state["reason"] = None, None
-        if os.environ.get(ENV, "").lower() == "torch":
-            _state["reason"] = f"{ENV}=torch"
-        elif torch.backends.cpu.get_cpu_capability() == "DEFAULT" or not hasattr(torch, "fbgemm_pack_gemm_matrix_fp16"):
-            _state["reason"] = "no FBGEMM fp16 kernels in this torch build / CPU"
-        else:
-            try:
-                _state["module"] = native.build("verispec_fp16_gemm", "fp16_gemm.cpp")
-                _register_fake()
-            except Exception as e:                       # no compiler, headers, ninja: fall back
-                _state["reason"] = native.failure(e, "fp16_gemm.cpp")
-                warnings.warn(f"verispec: {_state['reason']}; fp16-packed matmuls run torch's "
-                              "single-threaded op", RuntimeWarning, stacklevel=2)
-    return _state["module"]
+    return _OP.module()
 
 
 def unavailable_reason() -> str | None:
     if _state.get("off"):
         return "inside torch_op_only()"
-    kernel()
-    return _state["reason"]
+    return _OP.reason()
 
 
 @contextlib.contextmanager

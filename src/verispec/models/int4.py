@@ -31,7 +31,6 @@ Contract:
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 from torch import nn
@@ -41,33 +40,29 @@ from .packed import PackedLinear, max_threads
 
 GROUP = 32          # input columns per scale/zero pair: the finest the kernel takes, GGUF's block size
 
-_state: dict = {}
-
-
-def kernel():
-    """Our compiled op module (``pack``, ``linear``, ``isa``), or ``None`` where it cannot be had
-    or ``VERISPEC_INT4_KERNEL=torch`` asks for torch's. Built once per process."""
-    if "module" not in _state:
-        _state["module"] = None
-        if os.environ.get("VERISPEC_INT4_KERNEL", "").strip().lower() == "torch":
-            return None
-        if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-            return None
-        try:
-            ext = native.build("verispec_int4_gemm", "int4_gemm.cpp")
-            if ext.isa() != "none":
-                _state["module"] = ext
-                _register_fake()
-        except Exception as e:                           # no compiler, headers, ninja
-            warnings.warn(f"verispec: {native.failure(e, 'int4_gemm.cpp')}; int4 uses torch's kernel",
-                          RuntimeWarning, stacklevel=2)
-    return _state["module"]
-
 
 def _register_fake() -> None:
     @torch.library.register_fake("verispec_int4::linear")
     def _(x, buf, meta, bias, max_threads, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
+
+
+_OP = native.NativeOp(
+    "verispec_int4_gemm", "int4_gemm.cpp", no_isa="neither AVX2 nor AVX-512", fake=_register_fake,
+    fallback="int4 uses torch's kernel",
+    off=lambda: "VERISPEC_INT4_KERNEL=torch" if os.environ.get("VERISPEC_INT4_KERNEL", "").strip().lower() == "torch"
+    else None)
+
+
+def kernel():
+    """Our compiled op module (``pack``, ``linear``, ``isa``), or ``None`` where it cannot be had
+    or ``VERISPEC_INT4_KERNEL=torch`` asks for torch's (``unavailable_reason`` says which). Built
+    once per process."""
+    return _OP.module()
+
+
+def unavailable_reason() -> str | None:
+    return _OP.reason()
 
 
 def _torch_kernel() -> bool:

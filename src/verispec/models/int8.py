@@ -32,7 +32,6 @@ Contract:
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 from torch import nn
@@ -40,28 +39,20 @@ from torch import nn
 from . import native
 from .packed import DENSE_MIN_ROWS, PackedLinear, max_threads
 
-_state: dict = {}
+def _register_fake() -> None:
+    @torch.library.register_fake("verispec_int8::linear")
+    def _(x, buf, meta, colsum, wscale, bias, qmax, max_threads, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+
+_OP = native.NativeOp("verispec_int8_gemm", "int8_gemm.cpp", no_isa="neither AVX2 nor AVX-512 VNNI",
+                      fake=_register_fake, fallback="int8 weights are not available")
 
 
 def kernel():
     """The compiled op module (``pack``, ``linear``, ``isa``, ``qmax``), or ``None`` where it cannot
     be had (see ``unavailable_reason``). Built once per process."""
-    if "module" not in _state:
-        _state["module"], _state["reason"] = None, None
-        if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-            _state["reason"] = "this CPU has no AVX2"
-        else:
-            try:
-                ext = native.build("verispec_int8_gemm", "int8_gemm.cpp")
-                if ext.isa() == "none":
-                    _state["reason"] = "this CPU has neither AVX2 nor AVX-512 VNNI"
-                else:
-                    _state["module"] = ext
-                    _register_fake()
-            except Exception as e:                       # no compiler, headers, ninja
-                _state["reason"] = native.failure(e, "int8_gemm.cpp")
-                warnings.warn(f"verispec: {_state['reason']}", RuntimeWarning, stacklevel=2)
-    return _state["module"]
+    return _OP.module()
 
 
 def int8_available() -> bool:
@@ -69,14 +60,7 @@ def int8_available() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    kernel()
-    return _state["reason"]
-
-
-def _register_fake() -> None:
-    @torch.library.register_fake("verispec_int8::linear")
-    def _(x, buf, meta, colsum, wscale, bias, qmax, max_threads, out_features):
-        return x.new_empty((*x.shape[:-1], out_features))
+    return _OP.reason()
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

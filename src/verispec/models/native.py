@@ -45,3 +45,56 @@ def failure(exc: Exception, source: str) -> str:
     lines = str(exc).strip().splitlines() or [type(exc).__name__]
     why = next((ln for ln in lines if "error" in ln.lower()), lines[-1])
     return f"building csrc/{source} failed: {why.strip()[:300]}"
+
+
+class NativeOp:
+    """One C++ op module of ``csrc/``, loaded once per process with the same rules for every op.
+
+    ``module()`` is the built module, or ``None`` where it cannot be had; ``reason()`` then says
+    why (``None`` while it is available). In order: ``off()`` (a reason to stay off, e.g. an
+    environment switch; checked at the first load), a CPU without AVX2, ``precondition()``
+    (another reason, e.g. a torch build without the library the op wraps), the build itself (a
+    failure warns once, naming ``fallback``: what runs instead), and, for ops that report their
+    instruction set (``isa()``), ``"none"`` (``no_isa``: the instructions the op needs). Once
+    built, ``fake()`` registers the op's output shape for torch.compile's tracing."""
+
+    def __init__(self, name: str, source: str, *, fallback: str, no_isa: str = "",
+                 off=None, precondition=None, fake=None):
+        self.name, self.source, self.fallback, self.no_isa = name, source, fallback, no_isa
+        self._off, self._pre, self._fake = off, precondition, fake
+        self._loaded = False
+        self._module = None
+        self._reason: str | None = None
+
+    def module(self):
+        if not self._loaded:
+            self._loaded = True
+            self._module, self._reason = self._load()
+        return self._module
+
+    def reason(self) -> str | None:
+        self.module()
+        return self._reason
+
+    def _load(self):
+        import warnings
+
+        import torch
+        why = self._off() if self._off else None
+        if why is None and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+            why = "this CPU has no AVX2"
+        if why is None and self._pre:
+            why = self._pre()
+        if why is not None:
+            return None, why
+        try:
+            ext = build(self.name, self.source)
+        except Exception as e:                           # no compiler, headers, ninja
+            why = failure(e, self.source)
+            warnings.warn(f"verispec: {why}; {self.fallback}", RuntimeWarning, stacklevel=4)
+            return None, why
+        if hasattr(ext, "isa") and ext.isa() == "none":
+            return None, f"this CPU has {self.no_isa or 'not the instructions the op needs'}"
+        if self._fake:
+            self._fake()
+        return ext, None
