@@ -33,6 +33,8 @@
 #include <string>
 #include <vector>
 
+#include "op_util.h"
+
 namespace {
 
 enum class Isa { None = 0, Avx2 = 1, Avx512 = 2 };
@@ -40,11 +42,9 @@ enum class Isa { None = 0, Avx2 = 1, Avx512 = 2 };
 Isa detect() {
   static const Isa isa = [] {
     __builtin_cpu_init();
-    const char* force = std::getenv("VERISPEC_ATTN_ISA");      // "avx2": the AVX2 path (tests)
-    const bool avx2_only = force != nullptr && std::string(force) == "avx2";
+    const bool avx2_only = verispec::avx2_forced("VERISPEC_ATTN_ISA");      // tests
     if (!avx2_only && __builtin_cpu_supports("avx512f")) return Isa::Avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
-    return Isa::None;
+    return verispec::has_avx2_fma() ? Isa::Avx2 : Isa::None;
   }();
   return isa;
 }

@@ -43,13 +43,11 @@ enum class Isa { None = 0, Avx2 = 1, Avx512Vnni = 2 };
 Isa detect() {
   static const Isa isa = [] {
     __builtin_cpu_init();
-    const char* force = std::getenv("VERISPEC_INT8_ISA");      // "avx2": the AVX2 path (tests)
-    const bool avx2_only = force != nullptr && std::string(force) == "avx2";
+    const bool avx2_only = verispec::avx2_forced("VERISPEC_INT8_ISA");      // tests
     if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vnni"))
       return Isa::Avx512Vnni;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
-    return Isa::None;
+    return verispec::has_avx2_fma() ? Isa::Avx2 : Isa::None;
   }();
   return isa;
 }

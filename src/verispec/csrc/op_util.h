@@ -2,6 +2,9 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <cstdlib>
+#include <string>
+
 namespace verispec {
 
 // A dispatcher entry promises its output width (the fake shape registered from Python reads
@@ -26,6 +29,20 @@ inline LinearIO linear_io(const at::Tensor& x, int64_t k, int64_t n, const char*
   auto sizes = xc.sizes().vec();
   sizes.back() = n;
   return {xc, at::empty(sizes, xc.options()), xc.numel() / k};
+}
+
+// Instruction-set choice shared by the ops' ``detect()``: an op runs its AVX-512 path when the CPU
+// has that path's features (each op tests its own list: __builtin_cpu_supports takes literals
+// only) and ``force_env`` (e.g. VERISPEC_INT4_ISA) is not "avx2" (tests run the AVX2 path so);
+// else its AVX2 path when the CPU has AVX2 and FMA; else none.
+inline bool avx2_forced(const char* force_env) {
+  const char* force = std::getenv(force_env);
+  return force != nullptr && std::string(force) == "avx2";
+}
+
+inline bool has_avx2_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
 }  // namespace verispec
