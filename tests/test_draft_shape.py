@@ -147,3 +147,23 @@ def test_default_config_chooses_its_tree_and_stays_lossless(packed_target, chat_
     chain = LLM(loaded=packed_target, speculative_config={"method": "eagle3", "model": str(profiled_head),
                                                          "num_speculative_tokens": 2})
     assert chain.draft_shape is None
+
+
+def test_verify_costs_are_measured_on_the_forward_the_engine_runs():
+    """A compiled target's fixed cost per call is lower than the eager one's: the shape is chosen
+    from the forward the engines run (``forward``), and the cost cache keeps the two apart."""
+    from helpers import tiny_llama
+
+    import verispec.draft_shape as ds
+    model = tiny_llama(48, 32, 1, seed=5)
+    seen = []
+
+    def forward(tokens, positions, cache, **kw):
+        seen.append((tokens.shape[1], kw["rows"], kw["kv_len"]))
+        return model(tokens, positions, cache, **kw)
+    points = ds.measure_verify(model, points=(1, 3), context=16, reps=2, forward=forward)
+    assert [t for t, _ in points] == [1, 3] and all(ms > 0 for _, ms in points)
+    assert {t for t, _, _ in seen} == {1, 3} and all(rows == [0] for _, rows, _ in seen)
+    target = type("T", (), {"model": model, "name": "tiny", "weights": "dense"})()
+    assert ds.cost_key(target, ROOT / "smollm2-135m-eagle3", "eagle3", compiled=True) != \
+        ds.cost_key(target, ROOT / "smollm2-135m-eagle3", "eagle3")

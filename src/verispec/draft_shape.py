@@ -254,13 +254,21 @@ def best_tree(profile: AcceptanceProfile, costs: StepCosts, *, max_nodes: int = 
 
 
 # -- measuring ---------------------------------------------------------------------------------------
-def time_ms(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> float:
+def time_ms(fn: Callable[[], object], reps: int = 7, warmup: int = 2,
+            between: Callable[[], object] | None = None) -> float:
     """Fastest wall milliseconds of ``fn()`` over ``reps`` runs: other work on the machine only
-    ever adds time, so the minimum is the least disturbed estimate."""
+    ever adds time, so the minimum is the least disturbed estimate. ``between`` (untimed) runs
+    before each call: a target forward, so that a draft step meets caches as cold as in an engine
+    step, where the target's weights have just streamed through them (timed back to back, a
+    SmolLM2 EAGLE-3 step measured 0.8 ms; in engine steps it took 1.5-2.3 ms)."""
     for _ in range(warmup):
+        if between is not None:
+            between()
         fn()
     best = float("inf")
     for _ in range(reps):
+        if between is not None:
+            between()
         t0 = time.perf_counter()
         fn()
         best = min(best, (time.perf_counter() - t0) * 1e3)
@@ -269,9 +277,12 @@ def time_ms(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> float:
 
 @torch.no_grad()
 def measure_verify(model, points: tuple[int, ...] = VERIFY_POINTS, context: int = 256,
-                   hidden_layers: tuple[int, ...] = (), reps: int = 7) -> tuple[tuple[int, float], ...]:
+                   hidden_layers: tuple[int, ...] = (), reps: int = 7,
+                   forward=None) -> tuple[tuple[int, float], ...]:
     """The target forward over T tokens (batch 1) after ``context`` cached tokens, as the engine's
-    verify forward calls it; the cache is a scratch one."""
+    verify forward calls it, through ``forward`` (what the engine runs: a ``CompiledForward`` of
+    ``model``; default the model itself); the cache is a scratch one."""
+    run = forward or model
     from .models.kv_cache import KVCache
     dev = next(model.parameters()).device
     cache = KVCache.for_model(model.cfg, 1, context + max(points) + 64, next(model.parameters()).dtype, device=dev)
@@ -281,10 +292,28 @@ def measure_verify(model, points: tuple[int, ...] = VERIFY_POINTS, context: int 
         tokens = torch.zeros(1, t, dtype=torch.long, device=dev)
         positions = torch.arange(context, context + t, device=dev)[None]
         mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None]
-        calls[t] = (lambda tokens=tokens, positions=positions, mask=mask, t=t: model(
+        calls[t] = (lambda tokens=tokens, positions=positions, mask=mask, t=t: run(
             tokens, positions, cache, attn_mask=mask, rows=[0], hidden_layers=hidden_layers,
             kv_len=cache.kv_len([0], t)))
     return tuple(time_round_robin(calls, reps).items())
+
+
+def target_step(model, forward=None, context: int = 256) -> Callable[[], object]:
+    """A one-token target forward (batch 1, ``context`` cached tokens, scratch cache) through
+    ``forward`` (default the model): what runs between two draft steps in an engine."""
+    from .models.kv_cache import KVCache
+    p = next(model.parameters())
+    cache = KVCache.for_model(model.cfg, 1, context + 64, p.dtype, device=p.device)
+    cache.advance([0], context)
+    tokens = torch.zeros(1, 1, dtype=torch.long, device=p.device)
+    positions = torch.full((1, 1), context, dtype=torch.long, device=p.device)
+    mask = torch.ones(1, 1, 1, dtype=torch.bool, device=p.device)
+    run = forward or model
+
+    @torch.no_grad()
+    def step():
+        return run(tokens, positions, cache, attn_mask=mask, rows=[0], kv_len=cache.kv_len([0], 1))
+    return step
 
 
 def time_round_robin(calls: dict, reps: int = 7, warmup: int = 1) -> dict:
@@ -302,9 +331,13 @@ def time_round_robin(calls: dict, reps: int = 7, warmup: int = 1) -> dict:
     return best
 
 
-def cost_key(target, head_folder: str | Path, kind: str) -> str:
-    """Machine, torch, threads, OpenMP wait policy, model, weights (and their kernel) and head:
-    what the costs depend on."""
+# bumped when what is measured changes (2: draft steps timed after a target forward, cold caches)
+COST_VERSION = 2
+
+
+def cost_key(target, head_folder: str | Path, kind: str, compiled: bool = False) -> str:
+    """Machine, torch, threads, OpenMP wait policy, model, weights (and their kernel), the forward
+    (compiled or eager) and head: what the costs depend on."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -322,9 +355,9 @@ def cost_key(target, head_folder: str | Path, kind: str) -> str:
     head = Path(head_folder)
     stamp = [str(head.resolve())] + [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}"
                                      for p in sorted(head.glob("*")) if p.is_file()]
-    parts = [cpu, str(os.cpu_count()), torch.__version__, str(torch.get_num_threads()), str(target.name),
+    parts = [f"v{COST_VERSION}", cpu, str(os.cpu_count()), torch.__version__, str(torch.get_num_threads()), str(target.name),
              str(getattr(target, "weights", "")) + "/" + "+".join(b for b in backends if b), f"omp={omp}",
-             f"attn={attn}", str(model.dtype), str(model.device), kind,
+             f"attn={attn}", "compiled" if compiled else "eager", str(model.dtype), str(model.device), kind,
              hashlib.sha1("|".join(stamp).encode()).hexdigest()[:12]]
     return "|".join(parts)
 
@@ -360,7 +393,9 @@ def cached_costs(key: str, measure: Callable[[], StepCosts]) -> StepCosts:
 class ShapeRequest:
     """What a head factory asks: its profile, how to measure its drafting, its limits."""
     profile: AcceptanceProfile
-    measure_draft: Callable[[], tuple[float, tuple[tuple[int, float], ...]]]
+    # measure_draft(between) -> (fixed ms, ((w, level ms), ...)); ``between`` runs a target
+    # forward before each timed draft step (see ``time_ms``)
+    measure_draft: Callable[[Callable[[], object]], tuple[float, tuple[tuple[int, float], ...]]]
     max_depth: int
     max_nodes: int = 32
     max_width: int = 8
@@ -368,13 +403,17 @@ class ShapeRequest:
 
 
 def choose_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest,
-                 hidden_layers: tuple[int, ...] = ()) -> ShapeChoice:
-    """Measure (or read cached) step costs for ``target`` with this head and pick the best tree."""
+                 hidden_layers: tuple[int, ...] = (), forward=None) -> ShapeChoice:
+    """Measure (or read cached) step costs for ``target`` with this head and pick the best tree.
+    ``forward``: the target forward the engines run (a ``CompiledForward``; default the model):
+    a compiled forward's fixed cost per call is lower, which makes drafting relatively dearer."""
     def measure() -> StepCosts:
-        verify = measure_verify(target.model, hidden_layers=hidden_layers)
-        fixed, levels = req.measure_draft()
-        return StepCosts(verify, fixed, levels, note=f"measured at start-up, {torch.get_num_threads()} threads")
-    costs = cached_costs(cost_key(target, head_folder, kind), measure)
+        verify = measure_verify(target.model, hidden_layers=hidden_layers, forward=forward)
+        fixed, levels = req.measure_draft(target_step(target.model, forward))
+        how = "compiled" if forward is not None else "eager"
+        return StepCosts(verify, fixed, levels,
+                         note=f"measured at start-up, {torch.get_num_threads()} threads, {how} target forward")
+    costs = cached_costs(cost_key(target, head_folder, kind, compiled=forward is not None), measure)
     shape = best_tree(req.profile, costs, max_nodes=req.max_nodes, max_depth=req.max_depth,
                       max_width=req.max_width)
     if not shape.pays:

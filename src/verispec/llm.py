@@ -134,7 +134,8 @@ class LLM:
             if isinstance(self.spec, DraftModelConfig) and self.spec.draft_compile is None:
                 self.spec = replace(self.spec, draft_compile=True)    # the draft follows the target
         self.acceptance = self.spec.acceptance() if self.spec else LOSSLESS
-        self._make_drafter = build_drafter_factory(self.spec, self.target) if self.spec else None
+        self._make_drafter = build_drafter_factory(self.spec, self.target, forward=self.compiled) \
+            if self.spec else None
         # the tree a head's default config chose from measured costs (draft_shape.ShapeChoice)
         self.draft_shape = getattr(self._make_drafter, "shape", None)
         ctx = self.target.config.max_position_embeddings

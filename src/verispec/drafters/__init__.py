@@ -6,10 +6,14 @@ registry that the built-in methods use too.
 the method's keys; default: ``CustomSpecConfig``, keys ``model`` and ``num_speculative_tokens``),
 and ``builder(config, target) -> make(max_batch, max_len) -> Drafter`` loads weights once
 (``target`` is the ``LoadedModel`` being served) and makes per-engine state on each call.
-``build_drafter_factory(config, target)`` runs the registered builder of ``config.method``.
+``build_drafter_factory(config, target, forward)`` runs the registered builder of ``config.method``;
+a builder that declares a ``forward`` keyword also gets the target forward the engines will run
+(a ``models.compiled.CompiledForward``, or ``None``: the model itself), so that the step costs a
+head's shape is chosen from are those of that forward.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from ..spec_config import (CustomSpecConfig, DraftModelConfig, Eagle3Config, EagleConfig, MedusaSpecConfig,
@@ -44,11 +48,15 @@ def registered() -> list[str]:
     return sorted(_BUILDERS)
 
 
-def build_drafter_factory(config: SpeculativeConfig, target) -> DrafterFactory:
-    """The registered builder of ``config.method`` applied to ``config`` and ``target``."""
+def build_drafter_factory(config: SpeculativeConfig, target, forward=None) -> DrafterFactory:
+    """The registered builder of ``config.method`` applied to ``config`` and ``target`` (and
+    ``forward``, where the builder takes it)."""
     if config.method not in _BUILDERS:
         raise SpecConfigError(f"method {config.method!r} is not registered; registered: {registered()}")
-    return _BUILDERS[config.method](config, target)
+    builder = _BUILDERS[config.method]
+    if "forward" in inspect.signature(builder).parameters:
+        return builder(config, target, forward=forward)
+    return builder(config, target)
 
 
 @register("ngram", config=NgramConfig)
@@ -149,22 +157,22 @@ __all__ = ["DraftRequest", "Drafter", "StatelessDrafter", "TargetFeatures", "bui
 
 
 @register("eagle", config=EagleConfig)
-def _eagle(config: EagleConfig, target) -> DrafterFactory:
+def _eagle(config: EagleConfig, target, forward=None) -> DrafterFactory:
     """EAGLE-1 head (target last hidden state); EAGLE-2 when the tree is dynamic."""
     from .eagle import build_eagle_factory
     from .eagle_head import HeadKind
-    return build_eagle_factory(config, target, HeadKind.EAGLE1)
+    return build_eagle_factory(config, target, HeadKind.EAGLE1, forward=forward)
 
 
 @register("eagle3", config=Eagle3Config)
-def _eagle3(config: Eagle3Config, target) -> DrafterFactory:
+def _eagle3(config: Eagle3Config, target, forward=None) -> DrafterFactory:
     """EAGLE-3 / 3.1 head (three fused target layers), dynamic tree by default."""
     from .eagle import build_eagle_factory
     from .eagle_head import HeadKind
-    return build_eagle_factory(config, target, HeadKind.EAGLE3)
+    return build_eagle_factory(config, target, HeadKind.EAGLE3, forward=forward)
 
 
 @register("medusa", config=MedusaSpecConfig)
-def _medusa(config: MedusaSpecConfig, target) -> DrafterFactory:
+def _medusa(config: MedusaSpecConfig, target, forward=None) -> DrafterFactory:
     from .medusa import build_medusa_factory
-    return build_medusa_factory(config, target)
+    return build_medusa_factory(config, target, forward=forward)

@@ -274,11 +274,11 @@ def sets_shape(config: TreeHeadConfig) -> bool:
                for k in ("tree", "topk", "depth", "num_draft_tokens", "rank_by", "rerank", "num_speculative_tokens"))
 
 
-def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind):
+def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=None):
     """Load the head checkpoint named by ``config.model`` once; make a drafter per engine. Without
     shape keys, a head folder with an ``acceptance.json`` profile gets the tree that maximises
     modelled tokens/s from this machine's measured costs (``draft_shape``); otherwise the default
-    dynamic tree."""
+    dynamic tree. ``forward``: the target forward the engines run (its costs are measured)."""
     from ..formats import CheckpointError, load_eagle_head
     config = with_shipped_head(config, target)
     aux = getattr(config, "eagle_aux_hidden_state_layer_ids", None)     # Eagle3Config only
@@ -292,27 +292,29 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind):
     tree, shape = tree_config(config, DEFAULT_DYNAMIC_TREE), None
     profile = None if sets_shape(config) else AcceptanceProfile.load(config.model)
     if profile is not None:
-        req = ShapeRequest(profile, lambda: draft_costs(head), max_depth=8)
-        shape = choose_shape(target, config.model, kind.value, req, hidden_layers=head.hidden_layers)
+        req = ShapeRequest(profile, lambda between: draft_costs(head, between=between), max_depth=8)
+        shape = choose_shape(target, config.model, kind.value, req, hidden_layers=head.hidden_layers,
+                             forward=forward)
         tree = StaticTreeConfig(shape.choices)
     return ShapedFactory(lambda max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len),
                          shape)
 
 
 # -- measured costs ------------------------------------------------------------------------------
-def draft_costs(head: EagleHead, context: int = 256, reps: int = 7):
+def draft_costs(head: EagleHead, context: int = 256, reps: int = 7, between=None):
     """Milliseconds of one step's drafting, batch 1, through the drafter's own protocol calls
     (accept one token, propose): ``fixed`` = a one-node tree (the catch-up alone, which also
-    ranks depth 1) and ``[(w, level)]`` = the extra cost of one level over w expanded nodes."""
-    fixed = _time_steps(head, ((0,),), context, reps)
+    ranks depth 1) and ``[(w, level)]`` = the extra cost of one level over w expanded nodes.
+    ``between``: untimed work before each step (``draft_shape.time_ms``)."""
+    fixed = _time_steps(head, ((0,),), context, reps, between)
     levels = []
     for w in (1, 2, 4, 8):
         choices = tuple((i,) for i in range(w)) + tuple((i, 0) for i in range(w))
-        levels.append((w, max(0.0, _time_steps(head, choices, context, reps) - fixed)))
+        levels.append((w, max(0.0, _time_steps(head, choices, context, reps, between) - fixed)))
     return fixed, tuple(levels)
 
 
-def _time_steps(head: EagleHead, choices, context: int, reps: int) -> float:
+def _time_steps(head: EagleHead, choices, context: int, reps: int, between=None) -> float:
     tree = StaticTreeConfig.from_choices(choices)
     drafter = EagleDrafter(head, tree, max_batch=1, max_len=context + reps + 8)
     dev = drafter.device
@@ -327,4 +329,4 @@ def _time_steps(head: EagleHead, choices, context: int, reps: int) -> float:
         drafter.accept(0, [ctx[-1]], feats(1))
         ctx.append(1)
         drafter.propose([req()])
-    return time_ms(step, reps=reps, warmup=2)
+    return time_ms(step, reps=reps, warmup=2, between=between)

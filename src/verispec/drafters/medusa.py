@@ -107,11 +107,12 @@ def medusa_tree(config: MedusaSpecConfig, num_heads: int) -> StaticTreeConfig:
     return tree
 
 
-def build_medusa_factory(config: MedusaSpecConfig, target):
+def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
     """Load the heads once; make a drafter per engine. Without ``tree`` or
     ``num_speculative_tokens``, heads whose folder has an ``acceptance.json`` profile get the tree
     that maximises modelled tokens/s from this machine's measured costs (``draft_shape``; all
-    depths come from one heads forward, so only the verify cost grows with the tree)."""
+    depths come from one heads forward, so only the verify cost grows with the tree). ``forward``:
+    the target forward the engines run (its costs are measured)."""
     from ..formats import CheckpointError, load_medusa_heads
     config = with_shipped_head(config, target)
     try:
@@ -124,15 +125,17 @@ def build_medusa_factory(config: MedusaSpecConfig, target):
     user_shape = config.tree is not None or config.num_speculative_tokens is not None
     profile = None if user_shape else AcceptanceProfile.load(config.model)
     if profile is not None:
-        req = ShapeRequest(profile, lambda: (draft_cost(heads), ()), max_depth=heads.cfg.num_heads)
-        shape = choose_shape(target, config.model, "medusa", req)
+        req = ShapeRequest(profile, lambda between: (draft_cost(heads, between=between), ()),
+                           max_depth=heads.cfg.num_heads)
+        shape = choose_shape(target, config.model, "medusa", req, forward=forward)
         tree = StaticTreeConfig(shape.choices)
     return ShapedFactory(lambda max_batch, max_len: MedusaDrafter(heads, tree), shape)
 
 
-def draft_cost(heads: MedusaHeads, reps: int = 7) -> float:
+def draft_cost(heads: MedusaHeads, reps: int = 7, between=None) -> float:
     """Milliseconds of one batch-1 proposal (accept one token's feature, heads forward, top
-    ranks): the same for any tree, since every depth comes from the one forward."""
+    ranks): the same for any tree, since every depth comes from the one forward. ``between``:
+    untimed work before each proposal (``draft_shape.time_ms``)."""
     drafter = MedusaDrafter(heads, StaticTreeConfig(((0,),)))
     dev = drafter.device
     h = torch.zeros(1, heads.cfg.hidden_size, dtype=_dtype(heads), device=dev)
@@ -142,4 +145,4 @@ def draft_cost(heads: MedusaHeads, reps: int = 7) -> float:
     def step():
         drafter.accept(0, [1], TargetFeatures({}, h))
         drafter.propose([req])
-    return time_ms(step, reps=reps)
+    return time_ms(step, reps=reps, between=between)
