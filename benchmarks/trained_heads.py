@@ -17,6 +17,9 @@ Three suites on smollm2-135m (fp32) with the heads in ``checkpoints/``, written 
   ``acceptance.json`` profile gets the tree chosen from this machine's measured costs; the report
   lists the chosen shapes) and eagle3-dynamic (EAGLE-2's dynamic tree, topk 8, depth 6, for
   reference). ``python benchmarks/trained_heads.py --suites cpu-default`` (about 10 min).
+* ``cpu-compiled``: ``cpu-default`` with compiled forwards (``compile=True``: the fastest fp16
+  configuration; the heads' shapes are chosen from the compiled forward's costs), plus ngram-x1
+  (prompt lookup with one extra token) for reference. ``--suites cpu-compiled`` (about 12 min).
 * ``heads-fp16``: the heads with fp16-packed weights (target and heads), 64 tokens per turn:
   vanilla, eagle3 (default dynamic tree), eagle3-cpu (topk 2 / depth 3 / 4 nodes, the demo's),
   eagle3-chain (a chain of 3), eagle (EAGLE-1, default static tree), medusa.
@@ -58,6 +61,10 @@ def suites(threads: int) -> list[BenchConfig]:
         BenchConfig(name="cpu-default", methods=("vanilla", "eagle3", "eagle3-dynamic", "eagle", "medusa"),
                     method_configs={"eagle3-dynamic": {"method": "eagle3", "topk": 8, "depth": 6}},
                     per_category=2, max_tokens=128, batch_sizes=(1,), weights="fp16", **common),
+        BenchConfig(name="cpu-compiled", methods=("vanilla", "eagle3", "eagle", "medusa", "ngram-x1"),
+                    method_configs={"ngram-x1": {"method": "ngram", "num_speculative_tokens": 5,
+                                                 "prompt_lookup_extra": 1}},
+                    per_category=2, max_tokens=128, batch_sizes=(1,), weights="fp16", compile=True, **common),
         BenchConfig(name="batch-sweep", methods=("vanilla", "eagle3"), categories=SUBSET[1:3], per_category=1,
                     max_tokens=64, batch_sizes=(1, 4, 8), **common),
     ]
