@@ -77,3 +77,19 @@ def test_bad_shard_is_refused_before_any_work(bad, tmp_path):
         parse_shard(bad)
     with pytest.raises(SystemExit, match="--shard wants i/n"):
         main(["data", "regenerate", "--output", str(tmp_path / "x.jsonl"), f"--shard={bad}"])
+
+
+def test_a_line_separator_inside_a_json_string_stays_one_record(tmp_path):
+    """JSONL written with ensure_ascii=False may hold U+2028 / U+0085 inside strings; str.splitlines
+    cut such records in two (7 of 5,179 regenerated conversations were dropped as 'malformed', and
+    a resume would have answered them again). Both readers split on newlines only."""
+    from verispec.train.data import load_conversations
+    from verispec.train.regenerate import _repair_and_read_ids
+    recs = [{"id": "a", "conversations": [{"from": "human", "value": "x\u2028y"}, {"from": "gpt", "value": "z\x85w"}]},
+            {"id": "b", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}]}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+    convs, report = load_conversations(path)
+    assert [c.id for c in convs] == ["a", "b"] and report.kept == 2
+    assert convs[0].messages[0]["content"] == "x\u2028y" and convs[0].messages[1]["content"] == "z\x85w"
+    assert _repair_and_read_ids(path) == {"a", "b"}

@@ -34,7 +34,7 @@ def _read_prompts(path: str | None) -> list[str]:
         return list(DEFAULT_PROMPTS)
     text = Path(path).read_text(encoding="utf-8")
     if path.endswith(".jsonl"):
-        out = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+        out = [json.loads(line)["prompt"] for line in text.split("\n") if line.strip()]
     else:
         out = [line for line in text.splitlines() if line.strip()]
     if not out:

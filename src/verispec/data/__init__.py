@@ -14,7 +14,7 @@ def spec_bench_questions(path: str | Path | None = None) -> list[dict]:
     """Spec-Bench-format questions (``question_id``, ``category``, ``turns``), in file order."""
     p = Path(path) if path else spec_bench_path()
     out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(p.read_text().split("\n"), 1):
         if not line.strip():
             continue
         q = json.loads(line)

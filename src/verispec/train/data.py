@@ -151,7 +151,7 @@ def load_conversations(path: str | Path, limit: int | None = None) -> tuple[list
 
 
 def _iter_jsonl(text: str, report: LoadReport) -> Iterator[object]:
-    for line in text.splitlines():
+    for line in text.split("\n"):          # not splitlines(): U+2028 etc. may sit inside a JSON string
         if not line.strip():
             continue
         try:

@@ -53,7 +53,7 @@ def _repair_and_read_ids(path: Path) -> set[str]:
         data = data[: data.rfind(b"\n") + 1]
         path.write_bytes(data)
     done = set()
-    for line in data.decode("utf-8", errors="replace").splitlines():
+    for line in data.decode("utf-8", errors="replace").split("\n"):     # U+2028 may sit in a string
         try:
             done.add(str(json.loads(line)["id"]))
         except (json.JSONDecodeError, KeyError, TypeError):
