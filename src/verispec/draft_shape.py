@@ -275,6 +275,27 @@ def time_ms(fn: Callable[[], object], reps: int = 7, warmup: int = 2,
     return best
 
 
+def _scratch_cache(model, slots: int, context: int):
+    """A batch-1 cache of ``slots`` slots, ``context`` of them counted as committed."""
+    from .models.kv_cache import KVCache
+    p = next(model.parameters())
+    cache = KVCache.for_model(model.cfg, 1, slots, p.dtype, device=p.device)
+    cache.advance([0], context)
+    return cache
+
+
+def _forward_call(model, forward, cache, context: int, t: int, hidden_layers: tuple[int, ...] = ()):
+    """A batch-1 forward over ``t`` tokens after ``context`` cached ones, called as the engine calls
+    its verify forward, through ``forward`` (default the model)."""
+    dev = next(model.parameters()).device
+    tokens = torch.zeros(1, t, dtype=torch.long, device=dev)
+    positions = torch.arange(context, context + t, device=dev)[None]
+    mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None]
+    run = forward or model
+    return lambda: run(tokens, positions, cache, attn_mask=mask, rows=[0], hidden_layers=hidden_layers,
+                       kv_len=cache.kv_len([0], t))
+
+
 @torch.no_grad()
 def measure_verify(model, points: tuple[int, ...] = VERIFY_POINTS, context: int = 256,
                    hidden_layers: tuple[int, ...] = (), reps: int = 7,
@@ -282,37 +303,19 @@ def measure_verify(model, points: tuple[int, ...] = VERIFY_POINTS, context: int 
     """The target forward over T tokens (batch 1) after ``context`` cached tokens, as the engine's
     verify forward calls it, through ``forward`` (what the engine runs: a ``CompiledForward`` of
     ``model``; default the model itself); the cache is a scratch one."""
-    run = forward or model
-    from .models.kv_cache import KVCache
-    dev = next(model.parameters()).device
-    cache = KVCache.for_model(model.cfg, 1, context + max(points) + 64, next(model.parameters()).dtype, device=dev)
-    cache.advance([0], context)
-    calls = {}
-    for t in points:
-        tokens = torch.zeros(1, t, dtype=torch.long, device=dev)
-        positions = torch.arange(context, context + t, device=dev)[None]
-        mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None]
-        calls[t] = (lambda tokens=tokens, positions=positions, mask=mask, t=t: run(
-            tokens, positions, cache, attn_mask=mask, rows=[0], hidden_layers=hidden_layers,
-            kv_len=cache.kv_len([0], t)))
+    cache = _scratch_cache(model, context + max(points) + 64, context)
+    calls = {t: _forward_call(model, forward, cache, context, t, hidden_layers) for t in points}
     return tuple(time_round_robin(calls, reps).items())
 
 
 def target_step(model, forward=None, context: int = 256) -> Callable[[], object]:
     """A one-token target forward (batch 1, ``context`` cached tokens, scratch cache) through
     ``forward`` (default the model): what runs between two draft steps in an engine."""
-    from .models.kv_cache import KVCache
-    p = next(model.parameters())
-    cache = KVCache.for_model(model.cfg, 1, context + 64, p.dtype, device=p.device)
-    cache.advance([0], context)
-    tokens = torch.zeros(1, 1, dtype=torch.long, device=p.device)
-    positions = torch.full((1, 1), context, dtype=torch.long, device=p.device)
-    mask = torch.ones(1, 1, 1, dtype=torch.bool, device=p.device)
-    run = forward or model
+    call = _forward_call(model, forward, _scratch_cache(model, context + 64, context), context, 1)
 
     @torch.no_grad()
     def step():
-        return run(tokens, positions, cache, attn_mask=mask, rows=[0], kv_len=cache.kv_len([0], 1))
+        return call()
     return step
 
 

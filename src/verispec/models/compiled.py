@@ -32,7 +32,7 @@ Contract
   a 576-wide loop cost more than the loop (measured: 16.5 vs 19.9 ms per SmolLM2 decode step).
 - The model's modules are not guarded (``guard_filter_fn`` drops the guards whose source is an
   ``nn.Module`` attribute): checking some 6,800 guards on every call cost 0.7 ms of a 5 ms SmolLM2
-  int4 step, 0.13 ms without them (profiled, "TorchDynamo Cache Lookup"). The arguments (tokens,
+  int4 step, 0.23 ms without them (profiled, "TorchDynamo Cache Lookup"). The arguments (tokens,
   cache tensors, mask, ``kv_len``) stay guarded, and parameters are still read from the modules
   at each call. Two things keep that safe. Each ``CompiledForward`` compiles its own copy of the
   forward's code object, so dynamo's cache of graphs (kept per code object) is per model: a
@@ -41,7 +41,8 @@ Contract
   taken when its compiled forward was made, and makes a new one when they differ (a model
   re-packed after compiling); an older ``CompiledForward`` of a model changed since must not be
   called again.
-- The native ops the forward calls (attention, packed matmuls) are loaded before the first trace:
+- The native ops the forward calls are loaded before the first trace (the packed matmuls' at
+  packing, the attention op's in ``CompiledForward``):
   loading one inside the trace (a file ``stat``) broke the graph there and compiled each layer's
   pieces as separate frames (18 graphs instead of a handful).
 """
@@ -81,11 +82,6 @@ def _no_autograd_cache() -> None:
 RECOMPILE_LIMIT = 64
 
 
-def _module_guards_off(entries) -> list[bool]:
-    """``guard_filter_fn``: keep every guard except those on nn.Module attributes (see above)."""
-    return torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
-
-
 def signature(model: torch.nn.Module) -> tuple:
     """What the unguarded graphs assume of ``model``: its module types, parameter and buffer shapes
     and dtypes (taken once per ``shared`` call, not per forward)."""
@@ -118,7 +114,7 @@ class CompiledForward:
         self.model = model
         self.signature = signature(model)
         cpu = next(model.parameters()).device.type == "cpu"
-        options = {**(CPU_OPTIONS if cpu else {}), "guard_filter_fn": _module_guards_off}
+        options = {**(CPU_OPTIONS if cpu else {}), "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self._fn = torch.compile(_own_code(model), dynamic=None, options=options)
         self.compile_s = 0.0
         self.graphs = 0
