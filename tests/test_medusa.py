@@ -195,3 +195,76 @@ def test_config_errors(target, folders, monkeypatch):
     for spec, match in bad:
         with pytest.raises(SpecConfigError, match=match):
             LLM(loaded=target, speculative_config=spec)
+
+
+def _vocab_file(path, ids, vocab_size):
+    from verispec.draft_vocab import DraftVocab, save_draft_vocab
+    return save_draft_vocab(DraftVocab.from_ids(torch.tensor(ids), vocab_size), path)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_restricted_vocab_logits_are_the_full_ones_columns(target, tied):
+    """Over a reduced vocabulary the heads' logits are exactly the full logits' columns at the
+    kept ids, for tied and own projections, and only the heads the tree reaches are run."""
+    heads = new_heads(target.model, num_heads=3, tied=tied, std=0.05, seed=4)
+    f = torch.randn(2, target.config.hidden_size)
+    full = heads(f)                                                   # [2, 3, V]
+    ids = torch.tensor(sorted(torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(0))[:300].tolist()))
+    heads.restrict_vocab_(ids)
+    cut = heads(f)
+    assert cut.shape == (2, 3, 300)
+    torch.testing.assert_close(cut, full[..., ids])
+    torch.testing.assert_close(heads(f, 2), full[:, :2][..., ids])
+    assert target.model.lm_head.weight.shape[0] == target.config.vocab_size     # the target's head untouched
+    with pytest.raises(ValueError, match="already restricted"):
+        heads.restrict_vocab_(ids)
+
+
+def test_restricted_vocab_drafts_only_its_tokens(target):
+    """Each depth's candidates are the head's top ranks among the kept ids, as target ids."""
+    heads = new_heads(target.model, std=0.05, seed=3)
+    f = torch.randn(5, target.config.hidden_size)
+    full = heads(f[-1])                                               # [K, V]
+    ids = torch.arange(0, target.config.vocab_size, 7)
+    heads.restrict_vocab_(ids)
+    choices = [[0], [1], [0, 0], [0, 0, 0]]
+    drafter = MedusaDrafter(heads, StaticTreeConfig.from_choices(choices))
+    drafter.start(0, [1, 2, 3, 4, 5], TargetFeatures({}, f))
+    tree, = drafter.propose([DraftRequest(0, [1, 2, 3, 4, 5, 6], GREEDY, torch.Generator())])
+    top = ids[torch.topk(full[:, ids], 2, dim=-1).indices].tolist()
+    assert tree.tokens.tolist() == [top[0][0], top[0][1], top[1][0], top[2][0]]
+    assert all(t % 7 == 0 for t in tree.tokens.tolist())
+
+
+def test_reduced_vocab_greedy_equals_vanilla(target, prompts, vanilla, folders, tmp_path):
+    """A folder's draft_vocab.safetensors is used by default ('full' turns it off); greedy output
+    stays vanilla's, and acceptance drops only where the target's tokens are not in the subset."""
+    import shutil
+    folder = tmp_path / "trained_vocab"
+    shutil.copytree(folders["trained"], folder)
+    seen = sorted({t for p, v in zip(prompts, vanilla) for t in p + v})
+    _vocab_file(folder / "draft_vocab.safetensors", seen, target.config.vocab_size)
+    spec = {"method": "medusa", "model": str(folder), "tree": SMALL_TREE}
+    llm = LLM(loaded=target, speculative_config=spec)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], GREEDY)
+    for p, o, want in zip(prompts, outs, vanilla):
+        assert_same_or_tie(target.model, p, o.token_ids, want, "medusa reduced vocabulary")
+    acc = sum(o.metrics.num_accepted_tokens for o in outs) / sum(o.metrics.num_steps for o in outs)
+    assert acc > 0.5, f"trained heads over the tokens they need accepted only {acc:.2f} per step"
+    drafter = llm.make_engine(1, 64).drafter
+    assert drafter.heads.vocab_ids.tolist() == seen
+    full = LLM(loaded=target, speculative_config=dict(spec, draft_vocab="full")).make_engine(1, 64).drafter
+    assert full.heads.vocab_ids is None
+
+
+def test_bad_draft_vocab_is_a_config_error(target, folders, tmp_path):
+    fd = str(folders["random_fd"])
+    with pytest.raises(SpecConfigError, match="does not exist"):
+        LLM(loaded=target, speculative_config={"method": "medusa", "model": fd, "draft_vocab": str(tmp_path / "no")})
+    other = _vocab_file(tmp_path / "other.safetensors", [1, 2, 3], 1000)
+    with pytest.raises(SpecConfigError, match="vocabulary of 1000"):
+        LLM(loaded=target, speculative_config={"method": "medusa", "model": fd, "draft_vocab": str(other)})
+    tiny = _vocab_file(tmp_path / "tiny.safetensors", [5], target.config.vocab_size)
+    with pytest.raises((SpecConfigError, ValueError), match="rank 1"):
+        LLM(loaded=target, speculative_config={"method": "medusa", "model": fd, "draft_vocab": str(tiny),
+                                               "tree": [[0], [1]]}).make_engine(1, 64)

@@ -197,6 +197,8 @@ class MedusaSpecConfig(SpeculativeConfig):
     typical_acceptance: bool | None = None   # Medusa typical acceptance: LOSSY, opt-in
     posterior_threshold: float | None = None # typical acceptance epsilon (default 0.09)
     posterior_alpha: float | None = None     # typical acceptance delta (default 0.3)
+    draft_vocab: str | None = None           # reduced draft vocabulary file; "full": none (default:
+                                             # the checkpoint folder's draft_vocab.safetensors, if any)
 
     def check(self) -> None:
         super().check()

@@ -16,6 +16,7 @@ built with it, the drafter never chooses it.
 """
 from __future__ import annotations
 
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -55,6 +56,9 @@ class MedusaDrafter:
         self.choices = tree.choices
         self.max_tree_nodes = tree.max_nodes
         self.width = 1 + max(c[-1] for c in self.choices)
+        self.depth = tree.max_depth                      # heads past the tree's depth are not run
+        if heads.vocab_ids is not None and self.width > heads.vocab_ids.numel():
+            raise ValueError(f"the tree takes rank {self.width - 1} of a draft vocabulary of {heads.vocab_ids.numel()}")
         self.device = module_device(heads)               # the target's: trees are handed over there
         self.last: dict[int, torch.Tensor] = {}        # row -> f_t at the last committed position
 
@@ -72,7 +76,10 @@ class MedusaDrafter:
         if not requests:
             return []
         f = torch.stack([self.last[r.row] for r in requests])
-        ranked = torch.topk(self.heads(f.to(_dtype(self.heads))), self.width, dim=-1).indices.tolist()   # [B, K, w]
+        top = torch.topk(self.heads(f.to(_dtype(self.heads)), self.depth), self.width, dim=-1).indices   # [B, d, w]
+        if self.heads.vocab_ids is not None:
+            top = self.heads.vocab_ids[top]                  # reduced vocabulary columns -> target ids
+        ranked = top.tolist()
         trees = []
         for i, r in enumerate(requests):
             top = ranked[i]
@@ -119,6 +126,9 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
         heads = load_medusa_heads(config.model, target.model)
     except CheckpointError as e:
         raise SpecConfigError(f"speculative_config 'model': {e}") from e
+    vocab = medusa_vocab(config, heads.cfg.vocab_size)
+    if vocab is not None:
+        heads.restrict_vocab_(vocab.draft_ids)
     if follows_packed_target(target, heads):
         heads.pack_fp16_(target.model.lm_head)      # draft with the target's fp16-packed kernels
     tree, shape = medusa_tree(config, heads.cfg.num_heads), None
@@ -132,11 +142,35 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
     return ShapedFactory(lambda max_batch, max_len: MedusaDrafter(heads, tree), shape)
 
 
+VOCAB_FILE = "draft_vocab.safetensors"      # a Medusa folder's reduced vocabulary, used by default
+
+
+def medusa_vocab(config: MedusaSpecConfig, vocab_size: int):
+    """The ``DraftVocab`` the heads draft over, or None for the full vocabulary: ``draft_vocab``
+    names a file (``verispec data draft-vocab``), ``"full"`` asks for none; unset, the heads'
+    folder's ``draft_vocab.safetensors`` is used when it has one."""
+    from ..draft_vocab import load_draft_vocab
+    from ..shipped import in_checkpoints
+    if config.draft_vocab == "full":
+        return None
+    if config.draft_vocab is not None:
+        path = in_checkpoints(config.draft_vocab)
+    else:
+        path = Path(config.model) / VOCAB_FILE
+        if not path.is_file():
+            return None
+    try:
+        return load_draft_vocab(path, vocab_size)
+    except ValueError as e:
+        raise SpecConfigError(f"speculative_config 'draft_vocab': {e}") from None
+
+
 def draft_cost(heads: MedusaHeads, reps: int = 7, between=None) -> float:
     """Milliseconds of one batch-1 proposal (accept one token's feature, heads forward, top
-    ranks): the same for any tree, since every depth comes from the one forward. ``between``:
-    untimed work before each proposal (``draft_shape.time_ms``)."""
-    drafter = MedusaDrafter(heads, StaticTreeConfig(((0,),)))
+    ranks) with every head run: about the same for any tree, since all depths come from one
+    forward whose cost is the projection's weight read. ``between``: untimed work before each
+    proposal (``draft_shape.time_ms``)."""
+    drafter = MedusaDrafter(heads, StaticTreeConfig.chain(heads.cfg.num_heads))
     dev = drafter.device
     h = torch.zeros(1, heads.cfg.hidden_size, dtype=_dtype(heads), device=dev)
     drafter.start(0, [1], TargetFeatures({}, h))

@@ -5,6 +5,12 @@ own weight, or tied to the target's ``lm_head``). Head k (0-based) reading f_t p
 x_{t+2+k}; the drafter that turns the heads into candidate trees is ``drafters.medusa``.
 Parameter names follow vLLM's (``blocks.{i}.layers.{j}``, ``lm_heads.{i}``); ``formats.medusa``
 reads and writes them and FasterDecoding's.
+
+Drafting may project onto a reduced vocabulary (``restrict_vocab_``: the D most frequent target
+tokens, ``draft_vocab``): the heads then read D rows of their projection instead of V (SmolLM2:
+8k of 49k rows, the projection being most of a proposal's cost) and never propose another token,
+which verification rejects anyway; so only acceptance can drop, by at most the share of accepted
+tokens outside the subset.
 """
 from __future__ import annotations
 
@@ -59,23 +65,55 @@ class MedusaHeads(nn.Module):
         else:
             self.lm_heads = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
                                           for _ in range(cfg.num_heads))
+        self.vocab_head: nn.Linear | None = None      # tied heads over a reduced vocabulary
+        self.register_buffer("vocab_ids", None, persistent=False)   # [D] target ids of output columns
+
+    def restrict_vocab_(self, ids: torch.Tensor) -> "MedusaHeads":
+        """Project onto the target ids ``ids`` [D] only (increasing, distinct, in range): output
+        column j is target id ``ids[j]``. Tied heads get one shared projection of those rows of the
+        target's LM head (a copy: the target's own head is untouched); untied heads keep those rows of
+        their own. Call before ``pack_fp16_``; once only."""
+        if self.vocab_ids is not None:
+            raise ValueError("the Medusa heads' vocabulary is already restricted")
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        v = self.cfg.vocab_size
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v or ids.unique().numel() != ids.numel():
+            raise ValueError(f"a draft vocabulary must be distinct target ids in 0..{v - 1}, got {ids.numel()} ids")
+        dev = next(self.parameters()).device
+        ids = ids.to(dev)
+        with torch.no_grad():
+            if self.lm_heads is None:
+                w = self.target_lm_head[ids]
+                self.vocab_head = nn.Linear(self.cfg.hidden_size, ids.numel(), bias=False, device=dev, dtype=w.dtype)
+                self.vocab_head.weight.copy_(w)
+                self.target_lm_head = None
+            else:
+                for lm in self.lm_heads:
+                    lm.weight = nn.Parameter(lm.weight[ids].contiguous(), requires_grad=False)
+                    lm.out_features = ids.numel()
+        self.vocab_ids = ids
+        return self
 
     def pack_fp16_(self, target_lm_head: nn.Module | None = None) -> "MedusaHeads":
         """fp16-packed matmuls (``models.packed``), for heads drafting for an fp16-packed target
         (``target_lm_head``: the target's packed LM head, which tied heads read through)."""
         from ..models.packed import pack_linears_fp16_, shared_reader
         pack_linears_fp16_(self)
-        if self.lm_heads is None:
+        if self.lm_heads is None and self.vocab_head is None:
             self.__dict__["_lm_reader"] = shared_reader(self.target_lm_head, target_lm_head)   # not a submodule
         return self
 
-    def head_states(self, f: torch.Tensor) -> torch.Tensor:
-        """[..., K, h]: the residual blocks' output of each head."""
-        return torch.stack([blk(f) for blk in self.blocks], dim=-2)
+    def head_states(self, f: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """[..., n, h]: the residual blocks' output of the first ``num_heads`` heads (default all)."""
+        return torch.stack([blk(f) for blk in self.blocks[:num_heads]], dim=-2)
 
-    def forward(self, f: torch.Tensor) -> torch.Tensor:
-        states = self.head_states(f)
+    def forward(self, f: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits [..., n, V] of the first ``num_heads`` heads (default all K) at features f [..., h];
+        [..., n, D] over ``vocab_ids`` after ``restrict_vocab_``."""
+        states = self.head_states(f, num_heads)
+        if self.vocab_head is not None:
+            return self.vocab_head(states)
         if self.lm_heads is None:
             reader = self.__dict__.get("_lm_reader")
             return reader(states) if reader is not None else F.linear(states, self.target_lm_head)
-        return torch.stack([lm(states[..., k, :]) for k, lm in enumerate(self.lm_heads)], dim=-2)
+        return torch.stack([lm(states[..., k, :]) for k, lm in enumerate(self.lm_heads[:states.shape[-2]])], dim=-2)
