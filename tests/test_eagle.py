@@ -364,3 +364,49 @@ def test_config_errors(target, heads, monkeypatch):
     drafter = llm.make_engine(1, 64).drafter
     assert drafter.hidden_layers == (2, 9, 19)
     assert drafter.tree.rank_by.value == "confidence" and drafter.tree.rerank is False
+
+
+# -- runtime cut of an EAGLE-3 head's draft vocabulary --------------------------------------------
+def test_restricted_vocab_logits_are_the_full_ones_columns(target, draft_vocab):
+    """After ``restrict_vocab_`` the head's logits are the full head's columns of the kept ids, and
+    its maps send the new columns to those target ids; ids outside its vocabulary are ignored."""
+    m = target.model
+    head = random_head(m, HeadKind.EAGLE3, draft_vocab, seed=5)
+    tokens = torch.tensor([[5, 9, 11]])
+    pos = torch.arange(3)[None]
+    hidden = torch.randn(1, 3, m.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    full = head(tokens, pos, hidden).logits
+    columns = head.draft_to_target(torch.arange(head.lm_head.out_features))     # target id of each column
+    outside = torch.tensor([i for i in range(m.cfg.vocab_size) if i not in set(draft_vocab.tolist())][:5])
+    keep = torch.cat([columns[::3], outside])
+    head.restrict_vocab_(keep)
+    cut = head(tokens, pos, hidden).logits
+    assert cut.shape[-1] == columns[::3].numel()
+    torch.testing.assert_close(cut, full[..., ::3])
+    assert head.draft_to_target(torch.arange(cut.shape[-1])).tolist() == sorted(columns[::3].tolist())
+    assert int(head.t2d.sum()) == cut.shape[-1] and bool(head.t2d[columns[::3]].all())
+    with pytest.raises(ValueError, match="no id"):
+        random_head(m, HeadKind.EAGLE3, draft_vocab).restrict_vocab_(outside)
+
+
+def test_reduced_vocab_greedy_equals_vanilla(target, prompts, vanilla, heads, tmp_path):
+    """A head folder's draft_vocab.safetensors is used by default ('full' turns it off); greedy
+    output stays vanilla's and, holding the texts' tokens, acceptance stays high."""
+    import shutil
+    from verispec.draft_vocab import DraftVocab, save_draft_vocab
+    folder = tmp_path / "e3_cut"
+    shutil.copytree(heads["e3_trained"], folder)
+    seen = sorted({t for p, v in zip(prompts, vanilla) for t in p + v})
+    save_draft_vocab(DraftVocab.from_ids(torch.tensor(seen), target.config.vocab_size), folder / "draft_vocab.safetensors")
+    spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3}
+    outs = run_spec(target, prompts[:4], spec, 4)
+    for p, o, want in zip(prompts, outs, vanilla):
+        assert_same_or_tie(target.model, p, o.token_ids, want, "eagle3 reduced vocabulary")
+    acc = sum(o.metrics.num_accepted_tokens for o in outs) / sum(o.metrics.num_steps for o in outs)
+    assert acc > MIN_ACCEPTANCE["e3_trained"][0], f"accepted only {acc:.2f} tokens per step"
+    cut = LLM(loaded=target, speculative_config=spec).make_engine(1, 64).drafter.head
+    assert cut.lm_head.out_features == len(seen)
+    full = LLM(loaded=target, speculative_config=dict(spec, draft_vocab="full")).make_engine(1, 64).drafter.head
+    assert full.lm_head.out_features == 1024
+    with pytest.raises(SpecConfigError, match="does not exist"):
+        LLM(loaded=target, speculative_config=dict(spec, draft_vocab=str(tmp_path / "none")))

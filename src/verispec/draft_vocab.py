@@ -108,3 +108,19 @@ def load_draft_vocab(path: str | Path, vocab_size: int) -> DraftVocab:
     if t2d is not None and not torch.equal(t2d.bool(), vocab.t2d):
         raise ValueError(f"{path}: t2d does not mark exactly the ids d2t maps to")
     return vocab
+
+
+FOLDER_FILE = "draft_vocab.safetensors"     # a head folder's runtime draft vocabulary (used by default)
+
+
+def head_vocab_file(setting: str | None, head_folder: str | Path | None) -> Path | None:
+    """Which draft-vocabulary file a head drafts over: ``setting`` names a file (relative names are
+    also looked up under the checkpoint roots), ``"full"`` asks for none; unset, the head folder's
+    ``draft_vocab.safetensors`` when it has one. Returns None for the head's own vocabulary."""
+    from .shipped import in_checkpoints
+    if setting == "full":
+        return None
+    if setting is not None:
+        return in_checkpoints(setting)
+    path = Path(head_folder) / FOLDER_FILE if head_folder is not None else None
+    return path if path is not None and path.is_file() else None

@@ -35,7 +35,7 @@ from ..spec_config import SpecConfigError, TreeHeadConfig
 from ..tree import DraftTree, pack_trees
 from .base import DraftRequest, TargetFeatures, tree_on
 from .dynamic_tree import DynamicTreeConfig, RankBy, Ranked, StaticTreeConfig, TreeBuilder, TreeConfig, rank
-from .eagle_head import EagleHead, HeadKind
+from .eagle_head import Eagle3Head, EagleHead, HeadKind
 
 # Default dynamic tree: EAGLE-2's top-k 8 and depth 6; the node budget (DEFAULT_NUM_DRAFT_TOKENS)
 # comes from the measured cost curve (benchmarks/results/tree_cost.md).
@@ -287,13 +287,14 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
                                aux_layer_ids=tuple(aux) if aux is not None else None)
     except CheckpointError as e:
         raise SpecConfigError(f"speculative_config 'model': {e}") from e
+    cut = _restrict_vocab(head, config)
     if follows_packed_target(target, head):
         head.pack_fp16_(target.model.lm_head)       # draft with the target's fp16-packed kernels
     tree, shape = tree_config(config, DEFAULT_DYNAMIC_TREE), None
     profile = None if sets_shape(config) else AcceptanceProfile.load(config.model)
     if profile is not None:
         req = ShapeRequest(profile, lambda between: draft_costs(head, between=between), max_depth=8)
-        shape = choose_shape(target, config.model, kind.value, req, hidden_layers=head.hidden_layers,
+        shape = choose_shape(target, config.model, kind.value + cut, req, hidden_layers=head.hidden_layers,
                              forward=forward)
         tree = StaticTreeConfig(shape.choices)
     return ShapedFactory(lambda max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len),
@@ -301,6 +302,24 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
 
 
 # -- measured costs ------------------------------------------------------------------------------
+def _restrict_vocab(head: EagleHead, config: TreeHeadConfig) -> str:
+    """Cut an EAGLE-3 head's draft vocabulary as ``draft_vocab`` says (``draft_vocab.head_vocab_file``);
+    returns a tag for the cost cache ("" for none). EAGLE-1 heads read tokens through the target's
+    LM head and take no cut."""
+    from ..draft_vocab import head_vocab_file, load_draft_vocab
+    setting = getattr(config, "draft_vocab", None)
+    path = head_vocab_file(setting, config.model)
+    if path is None:
+        return ""
+    if not isinstance(head, Eagle3Head):
+        raise SpecConfigError("'draft_vocab' applies to EAGLE-3 heads")
+    try:
+        head.restrict_vocab_(load_draft_vocab(path, head.cfg.vocab_size).draft_ids)
+    except ValueError as e:
+        raise SpecConfigError(f"speculative_config 'draft_vocab': {e}") from None
+    return f"/vocab{head.lm_head.out_features}"
+
+
 def draft_costs(head: EagleHead, context: int = 256, reps: int = 7, between=None):
     """Milliseconds of one step's drafting, batch 1, through the drafter's own protocol calls
     (accept one token, propose): ``fixed`` = a one-node tree (the catch-up alone, which also

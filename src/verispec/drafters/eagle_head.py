@@ -222,6 +222,30 @@ class Eagle3Head(_HeadBase):
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids + self.d2t[ids]
 
+    def restrict_vocab_(self, ids: torch.Tensor) -> "Eagle3Head":
+        """Draft over the target ids ``ids`` only (a subset of the head's draft vocabulary: its
+        other ids are dropped): the LM head keeps those rows and ``d2t``/``t2d`` map the new
+        columns. A runtime cut for cheaper levels (the LM head is most of a level's bytes); call
+        before ``pack_fp16_``. Raises when no id of ``ids`` is in the draft vocabulary."""
+        v = self.cfg.vocab_size
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v:
+            raise ValueError(f"a draft vocabulary must be target ids in 0..{v - 1}")
+        dev = self.lm_head.weight.device
+        wanted = torch.zeros(v, dtype=torch.bool, device=dev)
+        wanted[ids.to(dev)] = True
+        current = torch.arange(self.d2t.numel(), device=dev) + self.d2t       # target id of each column
+        cols = wanted[current].nonzero()[:, 0]
+        if cols.numel() == 0:
+            raise ValueError("no id of the draft vocabulary is in the head's own draft vocabulary")
+        kept = current[cols]
+        with torch.no_grad():
+            self.lm_head.weight = nn.Parameter(self.lm_head.weight[cols].contiguous(), requires_grad=False)
+        self.lm_head.out_features = cols.numel()
+        self.d2t = kept - torch.arange(cols.numel(), device=dev)
+        self.t2d = torch.zeros(v, dtype=torch.bool, device=dev).index_fill_(0, kept, True)
+        return self
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 cache: KVCache | None = None, rows: torch.Tensor | None = None, scratch: int = 0,
                 local_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,

@@ -16,8 +16,6 @@ built with it, the drafter never chooses it.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
@@ -142,23 +140,14 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
     return ShapedFactory(lambda max_batch, max_len: MedusaDrafter(heads, tree), shape)
 
 
-VOCAB_FILE = "draft_vocab.safetensors"      # a Medusa folder's reduced vocabulary, used by default
-
-
 def medusa_vocab(config: MedusaSpecConfig, vocab_size: int):
     """The ``DraftVocab`` the heads draft over, or None for the full vocabulary: ``draft_vocab``
     names a file (``verispec data draft-vocab``), ``"full"`` asks for none; unset, the heads'
     folder's ``draft_vocab.safetensors`` is used when it has one."""
-    from ..draft_vocab import load_draft_vocab
-    from ..shipped import in_checkpoints
-    if config.draft_vocab == "full":
+    from ..draft_vocab import head_vocab_file, load_draft_vocab
+    path = head_vocab_file(config.draft_vocab, config.model)
+    if path is None:
         return None
-    if config.draft_vocab is not None:
-        path = in_checkpoints(config.draft_vocab)
-    else:
-        path = Path(config.model) / VOCAB_FILE
-        if not path.is_file():
-            return None
     try:
         return load_draft_vocab(path, vocab_size)
     except ValueError as e:
