@@ -24,6 +24,7 @@ from verispec.engine import Engine, Sequence
 from verispec.params import SamplingParams
 from verispec.tree import DraftTree
 from verispec.tree_batch import TreeBatch
+from verispec import verify
 from verispec.verify import accept_from_probs_batch, accept_greedy_batch
 
 V = 6
@@ -81,12 +82,25 @@ def test_batched_sampling_equals_sequential_reference(kinds):
             assert got[b] == want, (seed, b, tree, got[b], want)
 
 
-def test_batched_greedy_equals_reference_with_duplicate_siblings():
+@pytest.mark.parametrize("host_walk", [True, False], ids=["host-walk", "batched"])
+def test_batched_greedy_equals_reference_with_duplicate_siblings(host_walk, monkeypatch):
+    """Both greedy paths (the CPU's host walk and the device's batched ops) give the reference's
+    decision, path for path, and the same tensors (tied argmaxes included: few distinct values)."""
+    monkeypatch.setattr(verify, "HOST_WALK_ON_CPU", host_walk)
     for seed in range(200):
         trees, batch, probs, _ = _batch_case(seed, ["dup", "det", "dup"])
         logits = torch.log(probs + 1e-9)
-        got = accept_greedy_batch(batch, logits).to_host()
+        if seed % 3 == 0:
+            logits = (logits * 2).round() / 2                        # ties between entries' maxima
+        decided = accept_greedy_batch(batch, logits)
+        got = decided.to_host()
         assert got == [reference_greedy(t, logits[b, :len(t) + 1]) for b, t in enumerate(trees)], seed
+        if host_walk:
+            monkeypatch.setattr(verify, "HOST_WALK_ON_CPU", False)
+            other = accept_greedy_batch(batch, logits)
+            monkeypatch.setattr(verify, "HOST_WALK_ON_CPU", True)
+            for name in ("num_accepted", "nodes", "keep", "tokens", "bonus"):
+                assert torch.equal(getattr(decided, name), getattr(other, name)), (seed, name)
 
 
 def test_batched_typical_equals_reference():
@@ -132,9 +146,11 @@ def test_a_rows_draws_do_not_depend_on_its_batch():
 
 @pytest.mark.parametrize("rule", [LOSSLESS, LossyTypicalAcceptance()], ids=["lossless", "typical"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_acceptance_makes_no_host_reads(rule, temperature):
+def test_acceptance_makes_no_host_reads(rule, temperature, monkeypatch):
     """The whole batch is decided on the device; ``to_host`` is the step's one copy. The count is
-    the same for 3 small trees and for 8 rows of 40-node trees (nothing per node or per row)."""
+    the same for 3 small trees and for 8 rows of 40-node trees (nothing per node or per row).
+    (The device path: CPU greedy rows take the host walk, where reads cost nothing.)"""
+    monkeypatch.setattr(verify, "HOST_WALK_ON_CPU", False)
     counts = []
     for n_rows, n_nodes in ((3, 4), (8, 40)):
         rng, g = random.Random(n_nodes), torch.Generator().manual_seed(n_nodes)
@@ -177,9 +193,11 @@ class _Tree(StatelessDrafter):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_engine_step_host_reads_do_not_grow_with_the_tree(single_thread, temperature):
+def test_engine_step_host_reads_do_not_grow_with_the_tree(single_thread, temperature, monkeypatch):
     """A whole ``Engine.step`` (3 rows) makes as many host reads with 2-node trees as with
-    14-node trees: none per node (the acceptance itself makes none, the test above)."""
+    14-node trees: none per node (the acceptance itself makes none, the test above; the device
+    path, as there)."""
+    monkeypatch.setattr(verify, "HOST_WALK_ON_CPU", False)
     counts = []
     for n in (2, 14):
         eng = Engine(tiny_llama(10, 16, 2), _Tree(n), max_batch=3, max_len=96)
