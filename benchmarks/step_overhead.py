@@ -30,9 +30,16 @@ CONFIGS = [   # (name, speculative_config, temperature, batch)
                                                     "num_draft_tokens": 4}, 0.8, 4),
     ("ngram chain of 5, greedy", {"method": "ngram", "num_speculative_tokens": 5}, 0.0, 1),
 ]
+# ``--configs compiled``: what the default configs run on this CPU (compiled forwards, batch 1, greedy)
+COMPILED = [
+    ("vanilla, compiled", None, 0.0, 1),
+    ("eagle3 chain of 1, compiled", {"method": "eagle3", "num_speculative_tokens": 1}, 0.0, 1),
+    ("eagle3 chain of 2, compiled", {"method": "eagle3", "num_speculative_tokens": 2}, 0.0, 1),
+    ("medusa 2 siblings, compiled", {"method": "medusa", "tree": [[0], [1]]}, 0.0, 1),
+]
 
 
-def worker(max_tokens: int, prompts: int) -> dict:
+def worker(max_tokens: int, prompts: int, configs: str = "eager") -> dict:
     """Time every step of each config on this process's verispec; print JSON."""
     import torch
     from verispec import LLM, SamplingParams
@@ -45,9 +52,10 @@ def worker(max_tokens: int, prompts: int) -> dict:
     ids = [tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
                                        add_generation_prompt=True), add_special_tokens=False).input_ids for q in qs]
     out = {}
-    for name, spec, temp, batch in CONFIGS:
-        llm = LLM(loaded=target, speculative_config=spec, max_num_seqs=batch)
-        rest, fwd, prop = [], [], []
+    compiled = configs == "compiled"
+    for name, spec, temp, batch in (COMPILED if compiled else CONFIGS):
+        llm = LLM(loaded=target, speculative_config=spec, max_num_seqs=batch, **({"compile": True} if compiled else {}))
+        rest, fwd, prop, tot = [], [], [], []
         for start in range(0, len(ids), batch):
             chunk = ids[start:start + batch]
             params = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=start)
@@ -55,6 +63,8 @@ def worker(max_tokens: int, prompts: int) -> dict:
             engine = llm.make_engine(len(seqs), max(len(p) for p in chunk) + max_tokens)
             engine.add_many(seqs)
             timer = _wrap(engine)
+            if compiled:
+                engine.step()                        # the first step (EAGLE: the prompt's catch-up) aside
             while engine.num_running:
                 timer.reset()
                 t0 = time.perf_counter()
@@ -63,7 +73,8 @@ def worker(max_tokens: int, prompts: int) -> dict:
                 rest.append(total - timer.forward - timer.propose)
                 fwd.append(timer.forward)
                 prop.append(timer.propose)
-        out[name] = {"steps": len(rest), "rest_ms": 1e3 * statistics.median(rest),
+                tot.append(total)
+        out[name] = {"steps": len(rest), "rest_ms": 1e3 * statistics.median(rest), "step_ms": 1e3 * statistics.median(tot),
                      "forward_ms": 1e3 * statistics.median(fwd), "propose_ms": 1e3 * statistics.median(prop),
                      "rest_mean_ms": 1e3 * statistics.fmean(rest)}
     return out
@@ -90,7 +101,10 @@ def _wrap(engine) -> _Timer:
             finally:
                 setattr(timer, attr, getattr(timer, attr) + time.perf_counter() - t0)
         return call
-    model.forward = timed(type(model).forward.__get__(model), "forward")
+    if hasattr(engine, "_forward"):      # the call the engine makes (a compiled forward, or the model)
+        engine._forward = timed(engine._forward, "forward")
+    else:
+        model.forward = timed(type(model).forward.__get__(model), "forward")
     if drafter is not None:
         drafter.propose = timed(type(drafter).propose.__get__(drafter), "propose")
     return timer
@@ -102,11 +116,15 @@ def main() -> None:
     add_arguments(ap, rounds=3, out=str(HERE / "results" / "step_overhead"))
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--configs", choices=("eager", "compiled"), default="eager",
+                    help="eager: the 2026-12-03 set (eager forwards, trees, batch 4); compiled: batch-1 greedy "
+                         "steps on compiled forwards, the default configs' shapes")
     a = ap.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.max_tokens, a.prompts)))
+        print(json.dumps(worker(a.max_tokens, a.prompts, a.configs)))
         return
-    runs = run_rounds(__file__, a.src, a.label, a.rounds, ["--max-tokens", str(a.max_tokens), "--prompts", str(a.prompts)],
+    runs = run_rounds(__file__, a.src, a.label, a.rounds, ["--max-tokens", str(a.max_tokens), "--prompts", str(a.prompts),
+                                                         "--configs", a.configs],
                       env={"OMP_WAIT_POLICY": "PASSIVE"})
     _report(runs, a)
 
@@ -124,13 +142,17 @@ def _report(runs: dict[str, list[dict]], a) -> None:
     lines = [f"# Step overhead: time per step outside the draft and target forwards", "",
              f"Machine: {machine}. SmolLM2-135M fp16-packed, 2 threads, {a.prompts} Spec-Bench prompts, "
              f"{a.max_tokens} tokens, median over steps, then over {a.rounds} interleaved rounds.", "",
-             "| config | " + " | ".join(f"{lab}: rest ms/step" for lab in labels) + " | ratio | forward ms | propose ms |",
-             "|---|" + "---|" * (len(labels) + 3)]
+             "| config | " + " | ".join(f"{lab}: rest ms/step" for lab in labels) + " | ratio | forward ms | propose ms |"
+             " step ms | rest share |",
+             "|---|" + "---|" * (len(labels) + 5)]
     for n in names:
         rest = [med[lab][n]["rest_ms"] for lab in labels]
+        last = med[labels[-1]][n]
+        step = last.get("step_ms")
+        share = f"{100 * rest[-1] / step:.1f}%" if step else "–"
         lines.append(f"| {n} | " + " | ".join(f"{x:.2f}" for x in rest) +
-                     f" | {rest[0] / rest[-1]:.2f}x | {med[labels[-1]][n]['forward_ms']:.1f} | "
-                     f"{med[labels[-1]][n]['propose_ms']:.1f} |")
+                     f" | {rest[0] / rest[-1]:.2f}x | {last['forward_ms']:.1f} | "
+                     f"{last['propose_ms']:.2f} | {f'{step:.2f}' if step else '–'} | {share} |")
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
