@@ -13,10 +13,12 @@
 // order: the same keys with the same values a decode sees).
 //
 // Per row: the visible slots' scores s_j = scale * (q . k_j) (dot product over the head dimension
-// in vector lanes, one fixed reduction), m = max_j s_j, p_j = exp(s_j - m) (one vector exp
-// routine over the compacted scores; padding lanes are zero), l = sum_j p_j left to right,
-// out = (sum_j p_j v_j) * (1 / l), the sum over j in order, vectorised over the head dimension.
-// A row that sees no key gets zeros.
+// in vector lanes, one fixed reduction), m = max_j s_j (vector max: exact in any order),
+// p_j = exp(s_j - m) (one vector exp routine over the compacted scores; padding lanes are zero),
+// l = sum_j p_j (lane j mod W accumulates its slots in order, then one fixed reduction of the W
+// lanes: the same steps for every row of a given visible count), out = (sum_j p_j v_j) * (1 / l),
+// the sum over j in order, vectorised over the head dimension. The visible slots are listed once
+// per row (one pass over the mask). A row that sees no key gets zeros.
 //
 // Inputs: q [B, H, T, D], k and v [B, KVH, S, D] (any strides with the last dim contiguous),
 // mask [B, 1 or H, T, S] bool (any strides); H a multiple of KVH (grouped-query attention), D a
@@ -104,15 +106,14 @@ struct Row {
 };
 
 // Scores of the visible slots, compacted (slot order) into sc[0..n), padded with -inf to a
-// multiple of 16. Returns n.
+// multiple of 16; their slot numbers into idx[0..n). Returns n.
 template <typename Dot>
-int64_t scores(const Row& r, float* sc, Dot dot) {
+int64_t scores(const Row& r, float* sc, int64_t* idx, Dot dot) {
   int64_t n = 0;
   for (int64_t j = 0; j < r.s; ++j) {
-    if (!r.mask[j * r.ms]) continue;
-    sc[n] = dot(r.q, r.k + j * r.ks, r.d) * r.scale;
-    ++n;
+    if (r.mask[j * r.ms]) idx[n++] = j;
   }
+  for (int64_t i = 0; i < n; ++i) sc[i] = dot(r.q, r.k + idx[i] * r.ks, r.d) * r.scale;
   for (int64_t j = n; j < (n + 15) / 16 * 16; ++j) sc[j] = -std::numeric_limits<float>::infinity();
   return n;
 }
@@ -125,17 +126,14 @@ inline bool blind_row(const Row& r, int64_t n) {
   return true;
 }
 
-inline float row_max(const float* sc, int64_t n) {
-  float m = sc[0];
-  for (int64_t j = 1; j < n; ++j) m = std::max(m, sc[j]);
-  return m;
+// The one fixed reduction of 16 lane sums (pairwise, the same tree on every path).
+inline float reduce16(const float* x) {
+  float a[8];
+  for (int i = 0; i < 8; ++i) a[i] = x[i] + x[i + 8];
+  for (int i = 0; i < 4; ++i) a[i] = a[i] + a[i + 4];
+  return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
-inline float row_sum(const float* sc, int64_t n) {
-  float l = 0.f;
-  for (int64_t j = 0; j < n; ++j) l += sc[j];
-  return l;
-}
 
 __attribute__((target("avx512f"))) float dot512(const float* a, const float* b, int64_t d) {
   __m512 acc = _mm512_setzero_ps();
@@ -143,21 +141,28 @@ __attribute__((target("avx512f"))) float dot512(const float* a, const float* b, 
   return _mm512_reduce_add_ps(acc);
 }
 
-__attribute__((target("avx512f"))) void row512(const Row& r, float* sc) {
-  const int64_t n = scores(r, sc, dot512);
+__attribute__((target("avx512f"))) void row512(const Row& r, float* sc, int64_t* idx) {
+  const int64_t n = scores(r, sc, idx, dot512);
   if (blind_row(r, n)) return;
-  const int64_t d = r.d;
-  const __m512 mv = _mm512_set1_ps(row_max(sc, n));
-  for (int64_t j = 0; j < n; j += 16) _mm512_storeu_ps(sc + j, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mv)));
-  const float l = row_sum(sc, n);
+  const int64_t d = r.d, padded = (n + 15) / 16 * 16;
+  __m512 mx = _mm512_loadu_ps(sc);                   // padding lanes are -inf
+  for (int64_t j = 16; j < padded; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j));
+  const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mv));   // padding: exp(-inf) = 0
+    _mm512_storeu_ps(sc + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  const float l = reduce16(lanes);
   __m512 acc[16];                                   // D <= 256
   const int64_t nv = d / 16;
   for (int64_t i = 0; i < nv; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (int64_t s = 0; s < r.s; ++s) {
-    if (!r.mask[s * r.ms]) continue;
-    const __m512 p = _mm512_set1_ps(sc[j++]);
-    const float* vv = r.v + s * r.vs;
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 p = _mm512_set1_ps(sc[j]);
+    const float* vv = r.v + idx[j] * r.vs;
     for (int64_t i = 0; i < nv; ++i) acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vv + 16 * i), acc[i]);
   }
   const __m512 inv = _mm512_set1_ps(1.f / l);
@@ -172,21 +177,36 @@ __attribute__((target("avx2,fma"))) float dot256(const float* a, const float* b,
   return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
 }
 
-__attribute__((target("avx2,fma"))) void row256(const Row& r, float* sc) {
-  const int64_t n = scores(r, sc, dot256);
+__attribute__((target("avx2,fma"))) void row256(const Row& r, float* sc, int64_t* idx) {
+  const int64_t n = scores(r, sc, idx, dot256);
   if (blind_row(r, n)) return;
-  const int64_t d = r.d;
-  const __m256 mv = _mm256_set1_ps(row_max(sc, n));
-  for (int64_t j = 0; j < n; j += 8) _mm256_storeu_ps(sc + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv)));
-  const float l = row_sum(sc, n);
+  const int64_t d = r.d, padded = (n + 15) / 16 * 16;
+  // two 8-lane halves stand for the 16 lanes of the AVX-512 path: the same sums, the same reduction
+  __m256 mx = _mm256_max_ps(_mm256_loadu_ps(sc), _mm256_loadu_ps(sc + 8));
+  for (int64_t j = 16; j < padded; j += 16)
+    mx = _mm256_max_ps(mx, _mm256_max_ps(_mm256_loadu_ps(sc + j), _mm256_loadu_ps(sc + j + 8)));
+  alignas(32) float m8[8];
+  _mm256_store_ps(m8, mx);
+  const __m256 mv = _mm256_set1_ps(*std::max_element(m8, m8 + 8));
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 16) {
+    const __m256 a = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
+    const __m256 b = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j + 8), mv));
+    _mm256_storeu_ps(sc + j, a);
+    _mm256_storeu_ps(sc + j + 8, b);
+    lo = _mm256_add_ps(lo, a);
+    hi = _mm256_add_ps(hi, b);
+  }
+  alignas(32) float lanes[16];
+  _mm256_store_ps(lanes, lo);
+  _mm256_store_ps(lanes + 8, hi);
+  const float l = reduce16(lanes);
   __m256 acc[32];
   const int64_t nv = d / 8;
   for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (int64_t s = 0; s < r.s; ++s) {
-    if (!r.mask[s * r.ms]) continue;
-    const __m256 p = _mm256_set1_ps(sc[j++]);
-    const float* vv = r.v + s * r.vs;
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 p = _mm256_set1_ps(sc[j]);
+    const float* vv = r.v + idx[j] * r.vs;
     for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vv + 8 * i), acc[i]);
   }
   const __m256 inv = _mm256_set1_ps(1.f / l);
@@ -223,6 +243,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const bool wide = detect() == Isa::Avx512;
   auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> sc((s + 16) / 16 * 16 + 16);
+    std::vector<int64_t> slots(s + 1);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t bi = idx / (h * t), hi = idx / t % h, ti = idx % t;
       const int64_t kh = hi / group, mh = mask.size(1) == 1 ? 0 : hi;
@@ -231,7 +252,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
             mp + bi * mask.stride(0) + mh * mask.stride(1) + ti * mask.stride(2),
             op + ((bi * t + ti) * h + hi) * d, d, s, k.stride(2), v.stride(2), mask.stride(3),
             static_cast<float>(scale)};
-      if (wide) row512(r, sc.data()); else row256(r, sc.data());
+      if (wide) row512(r, sc.data(), slots.data()); else row256(r, sc.data(), slots.data());
     }
   };
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>({max_threads, at::get_num_threads(), rows}));
