@@ -300,6 +300,13 @@ def test_ship_copies_the_checkpoint_and_writes_the_card(tmp_path, single_thread)
         ship(tmp_path / "nothing", tmp_path / "dest", "eagle3")
     card = ship(run, tmp_path / "dest", "eagle3", regen={"conversations": 3, "output_tokens": 90, "seconds": 60,
                                                            "tokens_per_second": 1.5}, notes=["shared machine"])
+    (tmp_path / "dest" / "draft_vocab.safetensors").write_bytes(b"cut")
+    with pytest.raises(FileNotFoundError, match="extra files not found"):
+        ship(run, tmp_path / "dest", "eagle3", extra=[tmp_path / "none.json"])
+    card = ship(run, tmp_path / "dest", "eagle3", extra=[tmp_path / "dest" / "draft_vocab.safetensors"],
+                regen={"conversations": 3, "output_tokens": 90, "seconds": 60, "tokens_per_second": 1.5},
+                notes=["shared machine"])
+    assert (tmp_path / "dest" / "draft_vocab.safetensors").read_bytes() == b"cut"   # kept from the old folder
     text = card.read_text()
     assert (tmp_path / "dest" / "model.safetensors").exists()
     assert "| acc | 0.500 | 0.250 |" in text and "12 sequences seen (3.00 epochs)" in text

@@ -117,7 +117,8 @@ def cmd_ship(args: argparse.Namespace) -> int:
     import json
     from ..train.card import ship
     regen = json.loads(Path(args.regen_stats).read_text()) if args.regen_stats else None
-    card = ship(Path(args.run), Path(args.dest), args.method, bench=Path(args.bench) if args.bench else None,
+    card = ship(Path(args.run), Path(args.dest), args.method, extra=[Path(f) for f in args.extra or []],
+                bench=Path(args.bench) if args.bench else None,
                 regen=regen, reproduce=args.reproduce or [], notes=args.note or [])
     print(f"wrote {card}")
     return 0
@@ -147,6 +148,8 @@ def add_parser(sub) -> None:
     sh.add_argument("--regen-stats", help="<regenerated>.jsonl.stats.json")
     sh.add_argument("--reproduce", action="append", help="a command line for the card (repeat)")
     sh.add_argument("--note", action="append", help="a line for the card's training section (repeat)")
+    sh.add_argument("--extra", action="append", help="a file to ship beside the checkpoint (repeat): acceptance.json, "
+                    "draft_vocab.safetensors (may be the destination's own)")
     sh.set_defaults(func=cmd_ship)
     try:
         from .train_more import add_more_parsers      # EAGLE-1 and Medusa trainers

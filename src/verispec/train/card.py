@@ -77,13 +77,21 @@ def write_card(dest: Path, meta: dict, method: str, *, bench: Path | None = None
     return dest / "README.md"
 
 
-def ship(run: Path, dest: Path, method: str, **kw) -> Path:
-    """Copy ``run/checkpoint`` into ``dest`` (replacing it) and write the card."""
+def ship(run: Path, dest: Path, method: str, extra: list[Path] = (), **kw) -> Path:
+    """Copy ``run/checkpoint`` into ``dest`` (replacing it), then the ``extra`` files (an
+    ``acceptance.json`` profile, a ``draft_vocab.safetensors`` cut: read before ``dest`` is
+    replaced, so they may come from it), and write the card."""
     src = run / "checkpoint"
     if not (src / "config.json").exists():
         raise FileNotFoundError(f"{src} has no finished checkpoint (train until the end first)")
+    missing = [str(f) for f in extra if not Path(f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"extra files not found: {missing}")
+    kept = {Path(f).name: Path(f).read_bytes() for f in extra}
     meta = json.loads((run / "train_meta.json").read_text())
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(src, dest)
+    for name, data in kept.items():
+        (dest / name).write_bytes(data)
     return write_card(dest, meta, method, **kw)
