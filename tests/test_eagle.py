@@ -410,3 +410,30 @@ def test_reduced_vocab_greedy_equals_vanilla(target, prompts, vanilla, heads, tm
     assert full.lm_head.out_features == 1024
     with pytest.raises(SpecConfigError, match="does not exist"):
         LLM(loaded=target, speculative_config=dict(spec, draft_vocab=str(tmp_path / "none")))
+
+
+def test_eagle1_vocab_cut_reads_the_target_rows(target, prompts, vanilla, heads, tmp_path):
+    """An EAGLE-1 head's cut reads a copy of those rows of the target's LM head: its logits are the
+    full read's columns, its draft ids map to those target ids, the target's head is untouched, and
+    greedy output stays vanilla's."""
+    import shutil
+    from verispec.draft_vocab import DraftVocab, save_draft_vocab
+    m = target.model
+    head = random_head(m, HeadKind.EAGLE1, seed=6, fc_bias=True)
+    tokens, pos = torch.tensor([[5, 9, 11]]), torch.arange(3)[None]
+    hidden = torch.randn(1, 3, m.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    full = head(tokens, pos, hidden).logits
+    ids = torch.arange(3, m.cfg.vocab_size, 5)
+    head.restrict_vocab_(ids)
+    torch.testing.assert_close(head(tokens, pos, hidden).logits, full[..., ids])
+    assert head.draft_to_target(torch.tensor([0, 1, 2])).tolist() == ids[:3].tolist()
+    assert m.lm_head.weight.shape[0] == m.cfg.vocab_size
+    folder = tmp_path / "e1_cut"
+    shutil.copytree(heads["e1_trained"], folder)
+    seen = sorted({t for p, v in zip(prompts, vanilla) for t in p + v})
+    save_draft_vocab(DraftVocab.from_ids(torch.tensor(seen), m.cfg.vocab_size), folder / "draft_vocab.safetensors")
+    outs = run_spec(target, prompts[:2], {"method": "eagle", "model": str(folder), "num_speculative_tokens": 2}, 1)
+    for p, o, want in zip(prompts, outs, vanilla):
+        assert_same_or_tie(target.model, p, o.token_ids, want, "eagle-1 reduced vocabulary")
+    drafter = LLM(loaded=target, speculative_config={"method": "eagle", "model": str(folder)}).make_engine(1, 64).drafter
+    assert drafter.head.vocab_ids.tolist() == seen

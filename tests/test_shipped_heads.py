@@ -48,4 +48,6 @@ def test_shipped_head_is_the_default_and_lossless(packed_target, chat_prompts, m
         assert drafter.heads.vocab_ids.numel() == 8192
     elif method == "eagle3":
         assert drafter.head.lm_head.out_features == 8192
+    else:
+        assert drafter.head.vocab_ids.numel() == 8192
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0, "the shipped head never gets a token accepted"

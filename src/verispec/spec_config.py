@@ -167,6 +167,8 @@ class TreeHeadConfig(SpeculativeConfig):
     num_draft_tokens: int | None = None
     rank_by: str | None = None               # "path" (EAGLE-2) | "confidence" (ablation)
     rerank: bool | None = None               # global rerank (default true)
+    draft_vocab: str | None = None           # runtime cut of the head's draft vocabulary (file); "full":
+                                             # none (default: the head folder's draft_vocab.safetensors)
 
     def check(self) -> None:
         super().check()
@@ -186,8 +188,6 @@ class Eagle3Config(TreeHeadConfig):
     """EAGLE-3 / 3.1 head (three fused target layers)."""
     method: ClassVar[str] = SpecMethod.EAGLE3.value
     eagle_aux_hidden_state_layer_ids: tuple[int, ...] | None = None   # vLLM's override of the layers
-    draft_vocab: str | None = None           # runtime cut of the head's draft vocabulary (file); "full":
-                                             # none (default: the head folder's draft_vocab.safetensors)
 
 
 @dataclass(frozen=True)

@@ -303,21 +303,18 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
 
 # -- measured costs ------------------------------------------------------------------------------
 def _restrict_vocab(head: EagleHead, config: TreeHeadConfig) -> str:
-    """Cut an EAGLE-3 head's draft vocabulary as ``draft_vocab`` says (``draft_vocab.head_vocab_file``);
-    returns a tag for the cost cache ("" for none). EAGLE-1 heads read tokens through the target's
-    LM head and take no cut."""
+    """Cut the head's draft vocabulary as ``draft_vocab`` says (``draft_vocab.head_vocab_file``):
+    EAGLE-3 within its own draft vocabulary, EAGLE-1 a copy of those rows of the target's LM head
+    it reads tokens through. Returns a tag for the cost cache ("" for none)."""
     from ..draft_vocab import head_vocab_file, load_draft_vocab
-    setting = getattr(config, "draft_vocab", None)
-    path = head_vocab_file(setting, config.model)
+    path = head_vocab_file(config.draft_vocab, config.model)
     if path is None:
         return ""
-    if not isinstance(head, Eagle3Head):
-        raise SpecConfigError("'draft_vocab' applies to EAGLE-3 heads")
     try:
         head.restrict_vocab_(load_draft_vocab(path, head.cfg.vocab_size).draft_ids)
     except ValueError as e:
         raise SpecConfigError(f"speculative_config 'draft_vocab': {e}") from None
-    return f"/vocab{head.lm_head.out_features}"
+    return f"/vocab{head.lm_head.out_features if isinstance(head, Eagle3Head) else head.vocab_ids.numel()}"
 
 
 def draft_costs(head: EagleHead, context: int = 256, reps: int = 7, between=None):

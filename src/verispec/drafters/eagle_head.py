@@ -279,14 +279,37 @@ class Eagle1Head(_HeadBase):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(lc)
         self.register_buffer("target_lm_head", target_lm_head, persistent=False)
+        self.vocab_head: nn.Linear | None = None          # a cut of the target's LM head (restrict_vocab_)
+        self.register_buffer("vocab_ids", None, persistent=False)
+
+    def restrict_vocab_(self, ids: torch.Tensor) -> "Eagle1Head":
+        """Read tokens over the target ids ``ids`` only (distinct, in range): a copy of those rows of
+        the target's LM head (the target's own head is untouched); draft id j is target id
+        ``ids[j]``. Call before ``pack_fp16_``; once only."""
+        if self.vocab_ids is not None:
+            raise ValueError("the head's vocabulary is already restricted")
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        v = self.cfg.vocab_size
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v or ids.unique().numel() != ids.numel():
+            raise ValueError(f"a draft vocabulary must be distinct target ids in 0..{v - 1}, got {ids.numel()} ids")
+        ids = ids.to(self.target_lm_head.device)
+        w = self.target_lm_head[ids]
+        self.vocab_head = nn.Linear(self.cfg.hidden_size, ids.numel(), bias=False, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            self.vocab_head.weight.copy_(w)
+        self.vocab_ids = ids
+        return self
 
     def pack_fp16_(self, target_lm_head: nn.Module | None = None) -> "Eagle1Head":
         from ..models.packed import shared_reader
-        super().pack_fp16_()
-        self.__dict__["_lm_reader"] = shared_reader(self.target_lm_head, target_lm_head)   # not a submodule
+        super().pack_fp16_()            # the cut's own rows (vocab_head) too
+        if self.vocab_head is None:
+            self.__dict__["_lm_reader"] = shared_reader(self.target_lm_head, target_lm_head)   # not a submodule
         return self
 
     def _read_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vocab_head is not None:
+            return self.vocab_head(x)
         reader = self.__dict__.get("_lm_reader")
         return reader(x) if reader is not None else F.linear(x, self.target_lm_head)
 
@@ -294,7 +317,7 @@ class Eagle1Head(_HeadBase):
         return features.last_hidden.to(self.fc.weight.dtype)
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids
+        return self.vocab_ids[ids] if self.vocab_ids is not None else ids
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 cache: KVCache | None = None, rows: torch.Tensor | None = None, scratch: int = 0,
