@@ -124,3 +124,22 @@ def head_vocab_file(setting: str | None, head_folder: str | Path | None) -> Path
         return in_checkpoints(setting)
     path = Path(head_folder) / FOLDER_FILE if head_folder is not None else None
     return path if path is not None and path.is_file() else None
+
+
+def check_ids(ids, vocab_size: int) -> torch.Tensor:
+    """``ids`` as a flat int64 tensor of distinct target ids in ``0..vocab_size-1``; ``ValueError``
+    otherwise (what a head's ``restrict_vocab_`` accepts)."""
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size or ids.unique().numel() != ids.numel():
+        raise ValueError(f"a draft vocabulary must be distinct target ids in 0..{vocab_size - 1}, got {ids.numel()} ids")
+    return ids
+
+
+def rows_linear(weight: torch.Tensor, ids: torch.Tensor) -> torch.nn.Linear:
+    """A bias-free ``nn.Linear`` holding a copy of rows ``ids`` of ``weight`` [V, h] (a head's cut of
+    the target's LM head: the target's own stays untouched), on ``weight``'s device and dtype."""
+    w = weight[ids.to(weight.device)]
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return lin

@@ -286,17 +286,11 @@ class Eagle1Head(_HeadBase):
         """Read tokens over the target ids ``ids`` only (distinct, in range): a copy of those rows of
         the target's LM head (the target's own head is untouched); draft id j is target id
         ``ids[j]``. Call before ``pack_fp16_``; once only."""
+        from ..draft_vocab import check_ids, rows_linear
         if self.vocab_ids is not None:
             raise ValueError("the head's vocabulary is already restricted")
-        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
-        v = self.cfg.vocab_size
-        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v or ids.unique().numel() != ids.numel():
-            raise ValueError(f"a draft vocabulary must be distinct target ids in 0..{v - 1}, got {ids.numel()} ids")
-        ids = ids.to(self.target_lm_head.device)
-        w = self.target_lm_head[ids]
-        self.vocab_head = nn.Linear(self.cfg.hidden_size, ids.numel(), bias=False, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            self.vocab_head.weight.copy_(w)
+        ids = check_ids(ids, self.cfg.vocab_size).to(self.target_lm_head.device)
+        self.vocab_head = rows_linear(self.target_lm_head, ids)
         self.vocab_ids = ids
         return self
 

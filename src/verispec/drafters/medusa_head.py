@@ -73,19 +73,13 @@ class MedusaHeads(nn.Module):
         column j is target id ``ids[j]``. Tied heads get one shared projection of those rows of the
         target's LM head (a copy: the target's own head is untouched); untied heads keep those rows of
         their own. Call before ``pack_fp16_``; once only."""
+        from ..draft_vocab import check_ids, rows_linear
         if self.vocab_ids is not None:
             raise ValueError("the Medusa heads' vocabulary is already restricted")
-        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
-        v = self.cfg.vocab_size
-        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v or ids.unique().numel() != ids.numel():
-            raise ValueError(f"a draft vocabulary must be distinct target ids in 0..{v - 1}, got {ids.numel()} ids")
-        dev = next(self.parameters()).device
-        ids = ids.to(dev)
+        ids = check_ids(ids, self.cfg.vocab_size).to(next(self.parameters()).device)
         with torch.no_grad():
             if self.lm_heads is None:
-                w = self.target_lm_head[ids]
-                self.vocab_head = nn.Linear(self.cfg.hidden_size, ids.numel(), bias=False, device=dev, dtype=w.dtype)
-                self.vocab_head.weight.copy_(w)
+                self.vocab_head = rows_linear(self.target_lm_head, ids)
                 self.target_lm_head = None
             else:
                 for lm in self.lm_heads:
