@@ -126,6 +126,19 @@ def head_vocab_file(setting: str | None, head_folder: str | Path | None) -> Path
     return path if path is not None and path.is_file() else None
 
 
+def head_vocab(setting: str | None, head_folder: str | Path | None, vocab_size: int) -> DraftVocab | None:
+    """The vocabulary ``head_vocab_file`` names, loaded for ``vocab_size`` (None: the head's own);
+    a bad file is a ``SpecConfigError`` naming the ``draft_vocab`` key."""
+    from .spec_config import SpecConfigError
+    path = head_vocab_file(setting, head_folder)
+    if path is None:
+        return None
+    try:
+        return load_draft_vocab(path, vocab_size)
+    except ValueError as e:
+        raise SpecConfigError(f"speculative_config 'draft_vocab': {e}") from None
+
+
 def check_ids(ids, vocab_size: int) -> torch.Tensor:
     """``ids`` as a flat int64 tensor of distinct target ids in ``0..vocab_size-1``; ``ValueError``
     otherwise (what a head's ``restrict_vocab_`` accepts)."""

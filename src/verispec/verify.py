@@ -141,13 +141,11 @@ def accept_greedy_host(batch: TreeBatch, logits: torch.Tensor) -> BatchAccept:
             kids.setdefault(parents[b][i], []).append(i)
         entry, nodes, path = 0, [], []
         while True:
-            want = int(logits[b, entry].argmax())
-            nxt = next((i for i in kids.get(entry, ()) if tokens[b][i] == want), None)
+            path.append(int(logits[b, entry].argmax()))
+            nxt = next((i for i in kids.get(entry, ()) if tokens[b][i] == path[-1]), None)
             if nxt is None:
-                path.append(want)
                 break
             nodes.append(nxt)
-            path.append(want)
             entry = nxt + 1
         results.append(AcceptResult(nodes, path, entry not in kids))
     return BatchAccept.from_results(results, batch.max_depth, logits.device)

@@ -303,15 +303,15 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
 
 # -- measured costs ------------------------------------------------------------------------------
 def _restrict_vocab(head: EagleHead, config: TreeHeadConfig) -> str:
-    """Cut the head's draft vocabulary as ``draft_vocab`` says (``draft_vocab.head_vocab_file``):
+    """Cut the head's draft vocabulary as ``draft_vocab`` says (``draft_vocab.head_vocab``):
     EAGLE-3 within its own draft vocabulary, EAGLE-1 a copy of those rows of the target's LM head
     it reads tokens through. Returns a tag for the cost cache ("" for none)."""
-    from ..draft_vocab import head_vocab_file, load_draft_vocab
-    path = head_vocab_file(config.draft_vocab, config.model)
-    if path is None:
+    from ..draft_vocab import head_vocab
+    vocab = head_vocab(config.draft_vocab, config.model, head.cfg.vocab_size)
+    if vocab is None:
         return ""
     try:
-        head.restrict_vocab_(load_draft_vocab(path, head.cfg.vocab_size).draft_ids)
+        head.restrict_vocab_(vocab.draft_ids)
     except ValueError as e:
         raise SpecConfigError(f"speculative_config 'draft_vocab': {e}") from None
     return f"/vocab{head.lm_head.out_features if isinstance(head, Eagle3Head) else head.vocab_ids.numel()}"

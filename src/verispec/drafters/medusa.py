@@ -119,12 +119,13 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
     depths come from one heads forward, so only the verify cost grows with the tree). ``forward``:
     the target forward the engines run (its costs are measured)."""
     from ..formats import CheckpointError, load_medusa_heads
+    from ..draft_vocab import head_vocab
     config = with_shipped_head(config, target)
     try:
         heads = load_medusa_heads(config.model, target.model)
     except CheckpointError as e:
         raise SpecConfigError(f"speculative_config 'model': {e}") from e
-    vocab = medusa_vocab(config, heads.cfg.vocab_size)
+    vocab = head_vocab(config.draft_vocab, config.model, heads.cfg.vocab_size)
     if vocab is not None:
         heads.restrict_vocab_(vocab.draft_ids)
     if follows_packed_target(target, heads):
@@ -138,20 +139,6 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
         shape = choose_shape(target, config.model, "medusa", req, forward=forward)
         tree = StaticTreeConfig(shape.choices)
     return ShapedFactory(lambda max_batch, max_len: MedusaDrafter(heads, tree), shape)
-
-
-def medusa_vocab(config: MedusaSpecConfig, vocab_size: int):
-    """The ``DraftVocab`` the heads draft over, or None for the full vocabulary: ``draft_vocab``
-    names a file (``verispec data draft-vocab``), ``"full"`` asks for none; unset, the heads'
-    folder's ``draft_vocab.safetensors`` is used when it has one."""
-    from ..draft_vocab import head_vocab_file, load_draft_vocab
-    path = head_vocab_file(config.draft_vocab, config.model)
-    if path is None:
-        return None
-    try:
-        return load_draft_vocab(path, vocab_size)
-    except ValueError as e:
-        raise SpecConfigError(f"speculative_config 'draft_vocab': {e}") from None
 
 
 def draft_cost(heads: MedusaHeads, reps: int = 7, between=None) -> float:
