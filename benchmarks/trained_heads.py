@@ -20,6 +20,10 @@ Three suites on smollm2-135m (fp32) with the heads in ``checkpoints/``, written 
 * ``cpu-compiled``: ``cpu-default`` with compiled forwards (``compile=True``: the fastest fp16
   configuration; the heads' shapes are chosen from the compiled forward's costs), plus ngram-x1
   (prompt lookup with one extra token) for reference. ``--suites cpu-compiled`` (about 12 min).
+* ``cpu-adaptive``: ``cpu-compiled``'s setup; each head with its default config (adaptive drafting:
+  a request drafts only while its acceptance beats the measured break-even, ``draft_gate``) and
+  with ``adaptive_drafting: false`` (``-fixed``: every step drafts the chosen shape).
+  ``--suites cpu-adaptive`` (about 13 min).
 * ``heads-fp16``: the heads with fp16-packed weights (target and heads), 64 tokens per turn:
   vanilla, eagle3 (default dynamic tree), eagle3-cpu (topk 2 / depth 3 / 4 nodes, the demo's),
   eagle3-chain (a chain of 3), eagle (EAGLE-1, default static tree), medusa.
@@ -64,6 +68,11 @@ def suites(threads: int) -> list[BenchConfig]:
         BenchConfig(name="cpu-compiled", methods=("vanilla", "eagle3", "eagle", "medusa", "ngram-x1"),
                     method_configs={"ngram-x1": {"method": "ngram", "num_speculative_tokens": 5,
                                                  "prompt_lookup_extra": 1}},
+                    per_category=2, max_tokens=128, batch_sizes=(1,), weights="fp16", compile=True, **common),
+        BenchConfig(name="cpu-adaptive", methods=("vanilla", "eagle3", "eagle3-fixed", "eagle", "eagle-fixed",
+                                                  "medusa", "medusa-fixed"),
+                    method_configs={f"{m}-fixed": {"method": m, "adaptive_drafting": False}
+                                    for m in ("eagle3", "eagle", "medusa")},
                     per_category=2, max_tokens=128, batch_sizes=(1,), weights="fp16", compile=True, **common),
         BenchConfig(name="batch-sweep", methods=("vanilla", "eagle3"), categories=SUBSET[1:3], per_category=1,
                     max_tokens=64, batch_sizes=(1, 4, 8), **common),

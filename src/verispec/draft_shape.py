@@ -153,13 +153,20 @@ def _interpolate(points: tuple[tuple[int, float], ...], x: int) -> float:
 
 class ShapedFactory:
     """A drafter factory that carries the draft shape it chose (``shape``; None when the user
-    gave a shape or no profile was found)."""
+    gave a shape or no profile was found) and, when ``gated``, makes each engine a
+    ``draft_gate.DraftGate`` for it (``make_gate``; ``gate_shape``: the modelled shape the gate
+    is set from, ``shape`` unless the user gave a static tree)."""
 
-    def __init__(self, make: Callable, shape: "ShapeChoice | None"):
-        self.make, self.shape = make, shape
+    def __init__(self, make: Callable, shape: "ShapeChoice | None", gate_shape: "ShapeChoice | None" = None):
+        self.make, self.shape, self.gate_shape = make, shape, gate_shape
 
     def __call__(self, max_batch: int, max_len: int):
         return self.make(max_batch, max_len)
+
+    def make_gate(self):
+        """A new gate for one engine, or None (adaptive drafting off)."""
+        from .draft_gate import DraftGate
+        return None if self.gate_shape is None else DraftGate.from_shape(self.gate_shape)
 
 
 @dataclass(frozen=True)
@@ -405,9 +412,9 @@ class ShapeRequest:
     extra: dict = field(default_factory=dict)
 
 
-def choose_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest,
-                 hidden_layers: tuple[int, ...] = (), forward=None) -> ShapeChoice:
-    """Measure (or read cached) step costs for ``target`` with this head and pick the best tree.
+def step_costs(target, head_folder: str | Path, kind: str, req: ShapeRequest,
+               hidden_layers: tuple[int, ...] = (), forward=None) -> StepCosts:
+    """This machine's step costs for ``target`` with this head, measured now or read cached.
     ``forward``: the target forward the engines run (a ``CompiledForward``; default the model):
     a compiled forward's fixed cost per call is lower, which makes drafting relatively dearer."""
     def measure() -> StepCosts:
@@ -416,9 +423,54 @@ def choose_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest,
         how = "compiled" if forward is not None else "eager"
         return StepCosts(verify, fixed, levels,
                          note=f"measured at start-up, {torch.get_num_threads()} threads, {how} target forward")
-    costs = cached_costs(cost_key(target, head_folder, kind, compiled=forward is not None), measure)
+    return cached_costs(cost_key(target, head_folder, kind, compiled=forward is not None), measure)
+
+
+def choose_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest,
+                 hidden_layers: tuple[int, ...] = (), forward=None) -> ShapeChoice:
+    """The best tree for this head on this machine's step costs (``step_costs``)."""
+    costs = step_costs(target, head_folder, kind, req, hidden_layers, forward)
     shape = best_tree(req.profile, costs, max_nodes=req.max_nodes, max_depth=req.max_depth,
                       max_width=req.max_width)
     if not shape.pays:
         log.warning("%s head %s: %s", kind, head_folder, shape.describe())
     return shape
+
+
+def modelled_shape(choices, profile: AcceptanceProfile, costs: StepCosts) -> ShapeChoice:
+    """A given static tree (choices format) with its modelled tokens and step cost."""
+    expected = 1.0
+    for path in choices:
+        value = 1.0
+        for depth, rank in enumerate(path, start=1):
+            value *= profile.p(depth, rank)
+        expected += value
+    choices = tuple(tuple(c) for c in choices)
+    return ShapeChoice(choices, expected, tree_cost(choices, costs), costs.vanilla_ms, reason="the configured tree")
+
+
+def plan_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest | None,
+               user_choices, adaptive: bool | None, hidden_layers: tuple[int, ...] = (),
+               forward=None) -> tuple[ShapeChoice | None, ShapeChoice | None]:
+    """``(chosen, gate_shape)`` for a head factory. ``req``: the head's profile and cost
+    measurement, None when its folder has no ``acceptance.json``. ``user_choices``: None when the
+    user set no shape, the static tree's choices when they gave one, ``()`` for a dynamic tree.
+    ``adaptive``: the config's ``adaptive_drafting`` (None: on for a shape chosen here).
+
+    - no user shape and a profile: the best tree (``choose_shape``), gated unless adaptive is False;
+    - a user's static tree with ``adaptive_drafting: true``: that tree's modelled numbers gate it;
+    - adaptive True without a profile, or with a dynamic tree: a ``SpecConfigError``."""
+    from .spec_config import SpecConfigError
+    if adaptive and req is None:
+        raise SpecConfigError(f"'adaptive_drafting' needs the head's measured acceptance ({head_folder}/"
+                              f"{PROFILE_FILE}, written by 'verispec train ... --eval-only'); the folder has none")
+    if adaptive and user_choices == ():
+        raise SpecConfigError("'adaptive_drafting' applies to static trees and chains ('tree' or "
+                              "'num_speculative_tokens'), not to a dynamic tree")
+    if req is None or (user_choices is not None and not adaptive):
+        return None, None
+    if user_choices is None:
+        shape = choose_shape(target, head_folder, kind, req, hidden_layers, forward)
+        return shape, (None if adaptive is False else shape)
+    costs = step_costs(target, head_folder, kind, req, hidden_layers, forward)
+    return None, modelled_shape(user_choices, req.profile, costs)

@@ -32,6 +32,7 @@ import torch
 
 from .acceptance import LOSSLESS, AcceptanceRule, batched
 from .device import same_device
+from .draft_gate import DraftGate
 from .drafters.base import DraftRequest, Drafter, TargetFeatures
 from .logits import LogitsPipeline, TokenConstraint
 from .logprobs import TokenLogprob, token_logprobs
@@ -91,7 +92,7 @@ class Engine:
     def __init__(self, model: Transformer, drafter: Drafter | None = None, *, max_batch: int,
                  max_len: int, eos_token_ids: tuple[int, ...] = (), max_context: int | None = None,
                  acceptance: AcceptanceRule = LOSSLESS, prefix_cache: PrefixCache | None = None,
-                 device: str | torch.device | None = None, forward=None):
+                 device: str | torch.device | None = None, forward=None, gate: DraftGate | None = None):
         """``max_len``: cache slots per row (prompt + output + tree slack). ``max_context``: the
         model's usable context; generation stops with reason "length" when it is reached.
         ``acceptance``: the rule that decides which draft tokens are kept (lossless default).
@@ -99,12 +100,14 @@ class Engine:
         ``device``: where the cache, generators and every tensor the engine makes live: the
         model's parameters' device (the default; naming another one is a ValueError).
         ``forward``: what runs the decode/verify forward (default the model itself; e.g. a
-        ``models.compiled.CompiledForward`` of it): called as the model, with a ``kv_len``."""
+        ``models.compiled.CompiledForward`` of it): called as the model, with a ``kv_len``.
+        ``gate``: which sequences draft each step (``draft_gate.DraftGate``; default: all)."""
         if not isinstance(acceptance, AcceptanceRule):
             raise TypeError(f"acceptance must be an AcceptanceRule (name, lossy, __call__), got {acceptance!r}")
         self.model = model
         self._forward = forward or model
         self._drafter = drafter
+        self.gate = gate if drafter is not None else None
         self.acceptance = acceptance
         self._accept_batch = batched(acceptance)
         first = next(model.parameters())
@@ -195,6 +198,8 @@ class Engine:
             self.running.remove(seq)
             if self._drafter is not None:
                 self._drafter.release(seq.row)
+            if self.gate is not None:
+                self.gate.release(seq.seq_id)
         if seq.row >= 0 and seq.row not in self.free_rows:
             self.cache.reset(seq.row)
             self.free_rows.append(seq.row)
@@ -345,7 +350,7 @@ class Engine:
             return StepReport([], budget, 0, 0, 0.0)
         emitted0 = self.stats.num_emitted_tokens
         t0 = time.perf_counter()
-        trees = self._propose(seqs, budget)                                   # 1) propose
+        trees, drafted = self._propose(seqs, budget)                          # 1) propose
         t1 = time.perf_counter()
         batch, out = self._verify_forward(seqs, trees)                        # 2) verify
         t2 = time.perf_counter()
@@ -368,25 +373,34 @@ class Engine:
         self.stats.draft_time_s += t1 - t0
         self.stats.verify_time_s += t2 - t1
         self.stats.overhead_time_s += t3 - t2
+        if self.gate is not None:
+            self.gate.observe_step(len(seqs), drafted, t3 - t0)
         for s in seqs:
             s.stats.draft_time_s += t1 - t0
             s.stats.verify_time_s += t3 - t1
         return StepReport(seqs, budget, batch.batch * (1 + batch.num_nodes),
                           self.stats.num_emitted_tokens - emitted0, t3 - t0)
 
-    def _propose(self, seqs: list[Sequence], budget: int) -> list[DraftTree]:
+    def _propose(self, seqs: list[Sequence], budget: int) -> tuple[list[DraftTree], int]:
         """One tree per sequence, each cut to ``min(budget, room)`` nodes (a prefix is a tree), then
-        without the drafts its pipeline's constraint forbids (structured output)."""
+        without the drafts its pipeline's constraint forbids (structured output). Sequences the
+        gate keeps plain this step get an empty tree without asking the drafter. Also returns how
+        many sequences the drafter was asked for."""
+        trees = [DraftTree.empty() for _ in seqs]
         if self._drafter is None or budget == 0:
-            return [DraftTree.empty() for _ in seqs]
-        reqs = [DraftRequest(s.row, s.prompt_ids + s.output_ids, s.params, s.generator,
-                             max_nodes=min(budget, self._room(s))) for s in seqs]
-        trees = self._drafter.propose(reqs)
-        for t in trees:
+            return trees, 0
+        ask = [i for i, s in enumerate(seqs) if self.gate is None or self.gate.wants_draft(s.seq_id)]
+        if not ask:
+            return trees, 0
+        reqs = [DraftRequest(seqs[i].row, seqs[i].prompt_ids + seqs[i].output_ids, seqs[i].params,
+                             seqs[i].generator, max_nodes=min(budget, self._room(seqs[i]))) for i in ask]
+        proposed = self._drafter.propose(reqs)
+        for i, t, r in zip(ask, proposed, reqs):
             if len(t) > self.max_tree_nodes:
                 raise RuntimeError(f"drafter proposed {len(t)} nodes, more than its max_tree_nodes "
                                    f"{self.max_tree_nodes}")
-        return [s.pipeline.restrict(t.prefix(r.max_nodes)) for s, t, r in zip(seqs, trees, reqs)]
+            trees[i] = seqs[i].pipeline.restrict(t.prefix(r.max_nodes))
+        return trees, len(ask)
 
     def _room(self, seq: Sequence) -> int:
         """Draft tokens worth proposing: never more than what max_tokens and context leave."""
@@ -429,6 +443,8 @@ class Engine:
     def _observe(self, seq: Sequence, batch: TreeBatch, b: int, accepted: int) -> None:
         seq.stats.observe(batch.sizes[b], batch.depths[b], accepted)
         self.stats.observe(batch.sizes[b], batch.depths[b], accepted)
+        if self.gate is not None:
+            self.gate.observe(seq.seq_id, batch.sizes[b], accepted)
 
     def _features(self, out, keep: torch.Tensor) -> TargetFeatures | None:
         """Target features of every row's kept entries ``keep [B, D + 1]`` (rows cut later)."""

@@ -180,7 +180,12 @@ class LLM:
         return Engine(self.target.model, drafter, max_batch=max_batch, max_len=max_len + slack,
                       eos_token_ids=self.eos_token_ids, max_context=self.max_model_len,
                       acceptance=self.acceptance, prefix_cache=self.prefix_cache, device=self.device,
-                      forward=self.compiled)
+                      forward=self.compiled, gate=self._make_gate())
+
+    def _make_gate(self):
+        """A per-engine ``DraftGate`` when the drafter factory makes one (adaptive drafting)."""
+        make = getattr(self._make_drafter, "make_gate", None)
+        return make() if make is not None else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -95,6 +95,12 @@ class SpeculativeConfig:
         return out
 
 
+def _check_bool(config: SpeculativeConfig, key: str) -> None:
+    v = getattr(config, key)
+    if v is not None and not isinstance(v, bool):
+        raise SpecConfigError(f"speculative_config '{key}' must be true or false, got {v!r}")
+
+
 def _check_keys(config_cls: type[SpeculativeConfig], args: dict) -> None:
     own = set(config_cls.keys())
     extra = sorted(set(args) - own)
@@ -169,9 +175,12 @@ class TreeHeadConfig(SpeculativeConfig):
     rerank: bool | None = None               # global rerank (default true)
     draft_vocab: str | None = None           # runtime cut of the head's draft vocabulary (file); "full":
                                              # none (default: the head folder's draft_vocab.safetensors)
+    adaptive_drafting: bool | None = None    # per-sequence drafting on/off from its acceptance (draft_gate);
+                                             # default: on for a shape chosen from measured costs
 
     def check(self) -> None:
         super().check()
+        _check_bool(self, "adaptive_drafting")
         dynamic = [k for k in ("topk", "depth", "num_draft_tokens") if getattr(self, k) is not None]
         if dynamic and self.tree is not None:
             raise SpecConfigError(f"give either a static 'tree' or dynamic-tree keys {dynamic}, not both")
@@ -201,9 +210,11 @@ class MedusaSpecConfig(SpeculativeConfig):
     posterior_alpha: float | None = None     # typical acceptance delta (default 0.3)
     draft_vocab: str | None = None           # reduced draft vocabulary file; "full": none (default:
                                              # the checkpoint folder's draft_vocab.safetensors, if any)
+    adaptive_drafting: bool | None = None    # as for EAGLE heads (draft_gate)
 
     def check(self) -> None:
         super().check()
+        _check_bool(self, "adaptive_drafting")
         if self.tree is not None and self.num_speculative_tokens is not None:
             raise SpecConfigError("give a static 'tree' or 'num_speculative_tokens' (a chain), not both")
         self.acceptance()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..draft_shape import AcceptanceProfile, ShapedFactory, ShapeRequest, choose_shape, time_ms
+from ..draft_shape import AcceptanceProfile, ShapedFactory, ShapeRequest, plan_shape, time_ms
 from ..models.packed import follows_packed_target
 from ..params import SamplingParams
 from ..shipped import with_shipped_head
@@ -277,7 +277,8 @@ def sets_shape(config: TreeHeadConfig) -> bool:
 def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=None):
     """Load the head checkpoint named by ``config.model`` once; make a drafter per engine. Without
     shape keys, a head folder with an ``acceptance.json`` profile gets the tree that maximises
-    modelled tokens/s from this machine's measured costs (``draft_shape``); otherwise the default
+    modelled tokens/s from this machine's measured costs (``draft_shape``), and each engine a
+    ``DraftGate`` (``adaptive_drafting``, see ``draft_shape.plan_shape``); otherwise the default
     dynamic tree. ``forward``: the target forward the engines run (its costs are measured)."""
     from ..formats import CheckpointError, load_eagle_head
     config = with_shipped_head(config, target)
@@ -290,15 +291,19 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
     cut = _restrict_vocab(head, config)
     if follows_packed_target(target, head):
         head.pack_fp16_(target.model.lm_head)       # draft with the target's fp16-packed kernels
-    tree, shape = tree_config(config, DEFAULT_DYNAMIC_TREE), None
-    profile = None if sets_shape(config) else AcceptanceProfile.load(config.model)
-    if profile is not None:
-        req = ShapeRequest(profile, lambda between: draft_costs(head, between=between), max_depth=8)
-        shape = choose_shape(target, config.model, kind.value + cut, req, hidden_layers=head.hidden_layers,
-                             forward=forward)
+    tree = tree_config(config, DEFAULT_DYNAMIC_TREE)
+    user = None
+    if sets_shape(config):
+        user = tree.choices if isinstance(tree, StaticTreeConfig) else ()
+    profile = AcceptanceProfile.load(config.model) if user is None or config.adaptive_drafting else None
+    req = None if profile is None else \
+        ShapeRequest(profile, lambda between: draft_costs(head, between=between), max_depth=8)
+    shape, gate_shape = plan_shape(target, config.model, kind.value + cut, req, user, config.adaptive_drafting,
+                                   hidden_layers=head.hidden_layers, forward=forward)
+    if shape is not None:
         tree = StaticTreeConfig(shape.choices)
     return ShapedFactory(lambda max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len),
-                         shape)
+                         shape, gate_shape)
 
 
 # -- measured costs ------------------------------------------------------------------------------

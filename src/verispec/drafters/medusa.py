@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..draft_shape import AcceptanceProfile, ShapedFactory, ShapeRequest, choose_shape, time_ms
+from ..draft_shape import AcceptanceProfile, ShapedFactory, ShapeRequest, plan_shape, time_ms
 from ..models.packed import follows_packed_target
 from ..params import SamplingParams
 from ..shipped import with_shipped_head
@@ -116,7 +116,8 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
     """Load the heads once; make a drafter per engine. Without ``tree`` or
     ``num_speculative_tokens``, heads whose folder has an ``acceptance.json`` profile get the tree
     that maximises modelled tokens/s from this machine's measured costs (``draft_shape``; all
-    depths come from one heads forward, so only the verify cost grows with the tree). ``forward``:
+    depths come from one heads forward, so only the verify cost grows with the tree), and each
+    engine a ``DraftGate`` (``adaptive_drafting``, see ``draft_shape.plan_shape``). ``forward``:
     the target forward the engines run (its costs are measured)."""
     from ..formats import CheckpointError, load_medusa_heads
     from ..draft_vocab import head_vocab
@@ -130,15 +131,16 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
         heads.restrict_vocab_(vocab.draft_ids)
     if follows_packed_target(target, heads):
         heads.pack_fp16_(target.model.lm_head)      # draft with the target's fp16-packed kernels
-    tree, shape = medusa_tree(config, heads.cfg.num_heads), None
-    user_shape = config.tree is not None or config.num_speculative_tokens is not None
-    profile = None if user_shape else AcceptanceProfile.load(config.model)
-    if profile is not None:
-        req = ShapeRequest(profile, lambda between: (draft_cost(heads, between=between), ()),
-                           max_depth=heads.cfg.num_heads)
-        shape = choose_shape(target, config.model, "medusa", req, forward=forward)
+    tree = medusa_tree(config, heads.cfg.num_heads)
+    user = tree.choices if config.tree is not None or config.num_speculative_tokens is not None else None
+    profile = AcceptanceProfile.load(config.model) if user is None or config.adaptive_drafting else None
+    req = None if profile is None else ShapeRequest(
+        profile, lambda between: (draft_cost(heads, between=between), ()), max_depth=heads.cfg.num_heads)
+    shape, gate_shape = plan_shape(target, config.model, "medusa", req, user, config.adaptive_drafting,
+                                   forward=forward)
+    if shape is not None:
         tree = StaticTreeConfig(shape.choices)
-    return ShapedFactory(lambda max_batch, max_len: MedusaDrafter(heads, tree), shape)
+    return ShapedFactory(lambda max_batch, max_len: MedusaDrafter(heads, tree), shape, gate_shape)
 
 
 def draft_cost(heads: MedusaHeads, reps: int = 7, between=None) -> float:
