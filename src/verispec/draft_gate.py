@@ -1,31 +1,38 @@
-"""Adaptive drafting: each sequence drafts only while drafting pays for it.
+"""Adaptive drafting: each request drafts the part of its tree that pays for it, or nothing.
 
 A drafted step costs more than a plain one (the draft forward, a wider verify, more bookkeeping),
-so it pays only while enough of its draft tokens are accepted. With ``T_d`` / ``T_p`` the wall
-time of a drafted / plain step, a sequence whose drafted steps accept ``a`` tokens on average
-gains iff ``(1 + a) / T_d > 1 / T_p``, i.e. ``a > a* = T_d / T_p - 1`` (the break-even).
+so it pays only while enough of its draft tokens are accepted. With ``T_m`` the wall time of a
+step drafting ``m`` nodes (``T_0``: a plain step) and ``a_m`` the tokens such a step gets
+accepted, the request decodes fastest with the ``m`` that maximises ``(1 + a_m) / T_m``.
 Acceptance differs a lot between prompts (Spec-Bench, shipped SmolLM2 EAGLE-3 head: tau 1.15 on
-translation, 1.77 on math_reasoning) and within one answer, so one shape for all requests either
-loses on the hard ones or forgoes the easy ones.
+translation, 1.77 on math_reasoning) and within one answer, and a head's measured profile comes
+from its own training distribution; so one shape for every request either loses on the hard
+ones or forgoes the easy ones.
 
-``DraftGate`` estimates, per sequence, the accepted tokens per drafted step as the mean of its
-last ``window`` drafted steps, shrunk towards the modelled value (the ``ShapeChoice``: the head's
-acceptance profile on this machine's measured costs) with the weight of ``prior_steps`` steps:
-one step's count is noisy (0 or 1 most of the time), and a few unlucky steps must not stop a
-sequence that gains. A sequence whose estimate falls below the break-even stops drafting for
-``min_wait`` steps, then drafts a trial of ``trial`` steps: if their mean reaches the
-break-even it drafts again (the trial becomes its window), otherwise it waits twice as long
-(at most ``max_wait``) before the next trial. Acceptance changes within an answer (a list, an
-equation, a passage quoted from the prompt), so a stopped sequence is tried again, at a cost
-that shrinks the longer it keeps failing.
+Options are the nested prefixes of the configured tree (its first ``m`` nodes, which the engine
+cuts with a request's node budget; a cut EAGLE tree also skips the levels it no longer needs),
+each with the modelled accepted tokens ``E_m`` (the head's acceptance profile) and cost ratio
+``R_m = T_m / T_0`` (this machine's measured step costs): ``draft_shape.gate_options``.
 
-The break-even comes from the modelled costs until batch-1 steps of both kinds have been timed in
-this engine (``observe_step``): then from the medians of the last ``time_window`` of each, which
-include what the model leaves out (per-step work outside the forwards, caches a draft forward
-finds cold). At batch > 1 the modelled ratio is used.
+Per request, ``DraftGate`` scales the profile by how the request's recent drafted steps did:
+``c = (sum of accepted + n0 E) / (sum of modelled E_m of the budgets used + n0 E)`` over its last
+``window`` drafted steps, shrunk towards 1 with the weight of ``prior_steps`` steps of the whole
+tree (``E``): one step's count is noisy (0 or 1 most of the time), and a few unlucky steps must
+not stop a request that gains. Each step it drafts the budget ``m`` with the best
+``(1 + c E_m) / R_m``. When that is ``m = 0`` (plain decoding beats every prefix) the request
+stops drafting for ``min_wait`` steps, then drafts a trial of ``trial`` steps: if the trial's own
+``c`` makes some prefix pay, it drafts again, otherwise it waits twice as long (at most
+``max_wait``) before the next trial. Acceptance changes within an answer (a list, an equation,
+a passage quoted from the prompt), so a stopped request is tried again, at a cost that shrinks
+the longer it keeps failing.
 
-Lossless by construction: the gate only chooses whether a sequence gets a draft tree this step;
-a step without one is a plain decoding step. Knows nothing about drafters or models.
+``R_m`` is the modelled ratio until batch-1 steps of budget ``m`` and plain steps have both been
+timed in this engine (``observe_step``): then the ratio of the medians of the last
+``time_window`` of each, which includes what the model leaves out (per-step work outside the
+forwards, caches a draft forward finds cold). At batch > 1 the modelled ratios are used.
+
+Lossless by construction: the gate only chooses how many draft nodes a request gets this step; a
+step without any is a plain decoding step. Knows nothing about drafters or models.
 """
 from __future__ import annotations
 
@@ -33,18 +40,19 @@ import enum
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass(frozen=True)
 class GateConfig:
     """Tuning of ``DraftGate`` (chosen on Spec-Bench with the shipped SmolLM2 heads)."""
-    window: int = 16           # a sequence's latest drafted steps its estimate averages
-    prior_steps: float = 2.0   # weight of the modelled acceptance, in drafted steps
+    window: int = 16           # a request's latest drafted steps its estimate averages
+    prior_steps: float = 2.0   # weight of the profile (c = 1), in drafted steps of the whole tree
     trial: int = 2             # drafted steps of a trial after a wait
-    min_wait: int = 8          # plain steps after a sequence stops drafting, before its first trial
+    min_wait: int = 8          # plain steps after a request stops drafting, before its first trial
     max_wait: int = 64         # longest wait between trials (doubled after each failed one)
-    time_window: int = 32      # batch-1 step times kept per kind for the measured break-even
-    min_timed: int = 4         # steps of each kind timed before the measured break-even is used
+    time_window: int = 32      # batch-1 step times kept per budget for the measured ratios
+    min_timed: int = 4         # steps of a budget (and plain ones) timed before its measured ratio is used
 
     def __post_init__(self) -> None:
         if self.window < 1 or not self.prior_steps >= 0.0 or self.trial < 1:
@@ -56,116 +64,148 @@ class GateConfig:
             raise ValueError(f"need 1 <= min_timed <= time_window, got {self.min_timed}, {self.time_window}")
 
 
+@dataclass(frozen=True)
+class GateOption:
+    """Drafting the tree's first ``nodes`` nodes: modelled accepted tokens per step and step time
+    over a plain step's."""
+    nodes: int
+    expected_accepted: float
+    cost_ratio: float
+
+
 class Mode(enum.Enum):
-    DRAFT = "draft"            # drafting every step
+    DRAFT = "draft"            # drafting the best budget every step
     WAIT = "wait"              # plain steps until the next trial
     TRIAL = "trial"            # drafting a trial
 
 
 @dataclass
 class _SeqState:
-    accepted: deque            # accepted draft tokens of the latest drafted steps (DRAFT) / of the trial
+    steps: deque               # (accepted, modelled E of the budget drafted) of the latest drafted steps
     mode: Mode = Mode.DRAFT
     left: int = 0              # WAIT: plain steps left
     wait: int = 0              # the current wait between trials
+    budget: int = 0            # the budget given this step
 
 
 @dataclass
 class GateStats:
-    """What the gate decided: sequence steps it let draft, steps it kept plain, trials run."""
+    """What the gate decided: request steps it let draft, steps it kept plain, trials run, and
+    drafted steps per budget."""
     drafted: int = 0
     plain: int = 0
     trials: int = 0
+    budgets: dict | None = None
 
     def as_dict(self) -> dict:
-        return {"drafted_steps": self.drafted, "plain_steps": self.plain, "trials": self.trials}
+        return {"drafted_steps": self.drafted, "plain_steps": self.plain, "trials": self.trials,
+                "budgets": dict(sorted((self.budgets or {}).items()))}
 
 
 class DraftGate:
-    """Per-sequence drafting decisions (see the module docstring). ``expected_accepted``: the
-    modelled accepted draft tokens per drafted step; ``cost_ratio``: modelled ``T_d / T_p``."""
+    """Per-request draft budgets (see the module docstring). ``options``: the nested prefixes of
+    the tree, by increasing ``nodes``; the last is the whole tree."""
 
-    def __init__(self, expected_accepted: float, cost_ratio: float, config: GateConfig = GateConfig()):
-        if not expected_accepted >= 0.0 or not cost_ratio > 0.0:
-            raise ValueError(f"need expected_accepted >= 0 and cost_ratio > 0, got {expected_accepted}, {cost_ratio}")
-        self.expected_accepted, self.cost_ratio, self.config = float(expected_accepted), float(cost_ratio), config
+    def __init__(self, options: Sequence[GateOption], config: GateConfig = GateConfig()):
+        options = tuple(options)
+        if not options:
+            raise ValueError("a gate needs at least one option")
+        for o in options:
+            if o.nodes < 1 or not o.expected_accepted >= 0.0 or not o.cost_ratio > 0.0:
+                raise ValueError(f"an option needs nodes >= 1, expected_accepted >= 0 and cost_ratio > 0, got {o}")
+        if [o.nodes for o in options] != sorted({o.nodes for o in options}):
+            raise ValueError(f"options must have increasing node counts, got {[o.nodes for o in options]}")
+        self.options, self.config = options, config
+        self._by_nodes = {o.nodes: o for o in options}
         self._seqs: dict[int, _SeqState] = {}
-        self._times = {True: deque(maxlen=config.time_window), False: deque(maxlen=config.time_window)}
-        self.stats = GateStats()
+        self._times: dict[int, deque] = {}
+        self.stats = GateStats(budgets={})
 
-    @classmethod
-    def from_shape(cls, shape, config: GateConfig = GateConfig()) -> "DraftGate":
-        """A gate for a ``draft_shape.ShapeChoice`` (its modelled tokens and step costs)."""
-        return cls(shape.expected_tokens - 1.0, shape.step_ms / shape.vanilla_ms, config)
+    # -- costs -------------------------------------------------------------------------------------
+    def cost_ratio(self, nodes: int) -> float:
+        """``T_m / T_0`` for budget ``nodes``: measured when both are timed enough, else modelled."""
+        d, p = self._times.get(nodes, ()), self._times.get(0, ())
+        if min(len(d), len(p)) >= self.config.min_timed:
+            return statistics.median(d) / statistics.median(p)
+        return self._by_nodes[nodes].cost_ratio
 
-    # -- the break-even ----------------------------------------------------------------------------
-    @property
-    def measured_ratio(self) -> float | None:
-        """``T_d / T_p`` from this engine's timed batch-1 steps; None until enough of each kind."""
-        d, p = self._times[True], self._times[False]
-        if min(len(d), len(p)) < self.config.min_timed:
-            return None
-        return statistics.median(d) / statistics.median(p)
+    def measured_ratio(self, nodes: int) -> float | None:
+        """``T_m / T_0`` from this engine's timed batch-1 steps; None until enough of each."""
+        d, p = self._times.get(nodes, ()), self._times.get(0, ())
+        return statistics.median(d) / statistics.median(p) if min(len(d), len(p)) >= self.config.min_timed else None
 
-    @property
-    def break_even(self) -> float:
-        """Accepted draft tokens per drafted step at which drafting and plain steps tie."""
-        ratio = self.measured_ratio
-        return max(0.0, (self.cost_ratio if ratio is None else ratio) - 1.0)
+    def best(self, scale: float) -> int:
+        """The budget (0: plain) with the most tokens per time when the profile is scaled by ``scale``."""
+        best, value = 0, 1.0
+        for o in self.options:
+            v = (1.0 + scale * o.expected_accepted) / self.cost_ratio(o.nodes)
+            if v > value + 1e-12:
+                best, value = o.nodes, v
+        return best
+
+    def scale(self, seq_id: int, prior: bool = True) -> float:
+        """How the request's recent drafted steps did against the profile (1: as modelled);
+        ``prior=False``: the steps alone (a trial's)."""
+        st = self._seqs.get(seq_id)
+        steps = st.steps if st is not None else ()
+        n0 = self.config.prior_steps * self.options[-1].expected_accepted if prior else 0.0
+        got = sum(a for a, _ in steps) + n0
+        modelled = sum(e for _, e in steps) + n0
+        return got / modelled if modelled > 0 else 1.0
 
     # -- decisions -----------------------------------------------------------------------------------
-    def wants_draft(self, seq_id: int) -> bool:
-        """Whether sequence ``seq_id`` gets a draft tree this step (call once per step)."""
+    def budget(self, seq_id: int) -> int:
+        """Draft nodes for request ``seq_id`` this step (0: a plain step); call once per step."""
         st = self._seqs.get(seq_id)
         if st is None:
             st = self._seqs[seq_id] = _SeqState(deque(maxlen=self.config.window))
         if st.mode is Mode.WAIT:
             if st.left > 0:
                 st.left -= 1
+                st.budget = 0
                 self.stats.plain += 1
-                return False
-            st.mode, st.accepted = Mode.TRIAL, deque(maxlen=self.config.window)
+                return 0
+            st.mode, st.steps = Mode.TRIAL, deque(maxlen=self.config.window)
             self.stats.trials += 1
+        if st.mode is Mode.TRIAL:
+            st.budget = self.best(self.scale(seq_id)) or self.options[0].nodes
+        else:
+            st.budget = self.best(self.scale(seq_id))
+            if st.budget == 0:                        # plain beats every prefix: stop drafting
+                self._wait(st, self.config.min_wait)
+                return self.budget(seq_id)
         self.stats.drafted += 1
-        return True
+        self.stats.budgets[st.budget] = self.stats.budgets.get(st.budget, 0) + 1
+        return st.budget
 
     def observe(self, seq_id: int, drafted: int, accepted: int) -> None:
         """A step of ``seq_id`` verified ``drafted`` draft nodes and accepted ``accepted``.
-        Steps without a draft (none asked, or the drafter found nothing) change nothing."""
+        Steps without a draft (plain, or the drafter found nothing) change nothing."""
         st = self._seqs.get(seq_id)
-        if st is None or drafted == 0 or st.mode is Mode.WAIT:
+        if st is None or drafted == 0 or st.budget == 0:
             return
-        c = self.config
-        st.accepted.append(accepted)
-        target = self.break_even
-        if st.mode is Mode.DRAFT:
-            if self.estimate(seq_id) < target:
-                st.mode, st.wait = Mode.WAIT, c.min_wait
-                st.left = st.wait
-        elif len(st.accepted) >= c.trial:
-            if sum(st.accepted) / len(st.accepted) >= target:
+        option = self._by_nodes.get(st.budget) or self.options[-1]
+        st.steps.append((accepted, option.expected_accepted))
+        if st.mode is Mode.TRIAL and len(st.steps) >= self.config.trial:
+            if self.best(self.scale(seq_id, prior=False)) > 0:
                 st.mode = Mode.DRAFT
             else:
-                st.mode, st.wait = Mode.WAIT, min(2 * st.wait, c.max_wait)
-                st.left = st.wait
+                self._wait(st, min(2 * st.wait, self.config.max_wait))
 
-    def estimate(self, seq_id: int) -> float:
-        """The sequence's expected accepted draft tokens per drafted step (the prior before any)."""
-        st = self._seqs.get(seq_id)
-        n0, acc = self.config.prior_steps, (st.accepted if st is not None else ())
-        if not acc and n0 == 0:
-            return self.expected_accepted
-        return (sum(acc) + n0 * self.expected_accepted) / (len(acc) + n0)
+    @staticmethod
+    def _wait(st: _SeqState, steps: int) -> None:
+        st.mode, st.wait, st.left = Mode.WAIT, steps, steps
 
-    def observe_step(self, rows: int, drafted_rows: int, time_s: float) -> None:
-        """A whole engine step's wall time; batch-1 steps feed the measured break-even."""
-        if rows == 1:
-            self._times[drafted_rows > 0].append(time_s)
+    def observe_step(self, budgets: Sequence[int], time_s: float) -> None:
+        """A whole engine step's wall time and the budget each row drafted (0: plain); batch-1
+        steps feed the measured cost ratios."""
+        if len(budgets) == 1:
+            self._times.setdefault(budgets[0], deque(maxlen=self.config.time_window)).append(time_s)
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
 
     def mode(self, seq_id: int) -> Mode | None:
-        """The sequence's current mode (None: unknown sequence)."""
+        """The request's current mode (None: unknown request)."""
         st = self._seqs.get(seq_id)
         return None if st is None else st.mode

@@ -38,6 +38,8 @@ from typing import Callable
 
 import torch
 
+from .tree import validate_choices
+
 log = logging.getLogger("verispec")
 
 PROFILE_FILE = "acceptance.json"
@@ -153,12 +155,11 @@ def _interpolate(points: tuple[tuple[int, float], ...], x: int) -> float:
 
 class ShapedFactory:
     """A drafter factory that carries the draft shape it chose (``shape``; None when the user
-    gave a shape or no profile was found) and, when ``gated``, makes each engine a
-    ``draft_gate.DraftGate`` for it (``make_gate``; ``gate_shape``: the modelled shape the gate
-    is set from, ``shape`` unless the user gave a static tree)."""
+    gave a shape or no profile was found) and, with ``gate_options`` (``gate_options``), makes
+    each engine a ``draft_gate.DraftGate`` over them (``make_gate``: adaptive drafting)."""
 
-    def __init__(self, make: Callable, shape: "ShapeChoice | None", gate_shape: "ShapeChoice | None" = None):
-        self.make, self.shape, self.gate_shape = make, shape, gate_shape
+    def __init__(self, make: Callable, shape: "ShapeChoice | None", gate_options: tuple = ()):
+        self.make, self.shape, self.gate_options = make, shape, tuple(gate_options)
 
     def __call__(self, max_batch: int, max_len: int):
         return self.make(max_batch, max_len)
@@ -166,7 +167,7 @@ class ShapedFactory:
     def make_gate(self):
         """A new gate for one engine, or None (adaptive drafting off)."""
         from .draft_gate import DraftGate
-        return None if self.gate_shape is None else DraftGate.from_shape(self.gate_shape)
+        return DraftGate(self.gate_options) if self.gate_options else None
 
 
 @dataclass(frozen=True)
@@ -449,17 +450,30 @@ def modelled_shape(choices, profile: AcceptanceProfile, costs: StepCosts) -> Sha
     return ShapeChoice(choices, expected, tree_cost(choices, costs), costs.vanilla_ms, reason="the configured tree")
 
 
+def gate_options(choices, profile: AcceptanceProfile, costs: StepCosts) -> tuple:
+    """``draft_gate.GateOption`` of every prefix of ``choices`` (in tree order, (depth, path): the
+    nodes a node budget keeps): modelled accepted tokens and step cost over a plain step's."""
+    from .draft_gate import GateOption
+    ordered = tuple(validate_choices(choices))
+    out = []
+    for m in range(1, len(ordered) + 1):
+        shape = modelled_shape(ordered[:m], profile, costs)
+        out.append(GateOption(m, shape.expected_tokens - 1.0, shape.step_ms / shape.vanilla_ms))
+    return tuple(out)
+
+
 def plan_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest | None,
                user_choices, adaptive: bool | None, hidden_layers: tuple[int, ...] = (),
-               forward=None) -> tuple[ShapeChoice | None, ShapeChoice | None]:
-    """``(chosen, gate_shape)`` for a head factory. ``req``: the head's profile and cost
+               forward=None) -> tuple[ShapeChoice | None, tuple]:
+    """``(chosen, gate options)`` for a head factory. ``req``: the head's profile and cost
     measurement, None when its folder has no ``acceptance.json``. ``user_choices``: None when the
     user set no shape, the static tree's choices when they gave one, ``()`` for a dynamic tree.
     ``adaptive``: the config's ``adaptive_drafting`` (None: on for a shape chosen here).
 
     - no user shape and a profile: the best tree (``choose_shape``), gated unless adaptive is False;
-    - a user's static tree with ``adaptive_drafting: true``: that tree's modelled numbers gate it;
-    - adaptive True without a profile, or with a dynamic tree: a ``SpecConfigError``."""
+    - a user's static tree with ``adaptive_drafting: true``: that tree, gated;
+    - adaptive True without a profile, or with a dynamic tree: a ``SpecConfigError``.
+    The gate's options are the tree's prefixes (``gate_options``); () when not gated."""
     from .spec_config import SpecConfigError
     if adaptive and req is None:
         raise SpecConfigError(f"'adaptive_drafting' needs the head's measured acceptance ({head_folder}/"
@@ -468,9 +482,9 @@ def plan_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest | N
         raise SpecConfigError("'adaptive_drafting' applies to static trees and chains ('tree' or "
                               "'num_speculative_tokens'), not to a dynamic tree")
     if req is None or (user_choices is not None and not adaptive):
-        return None, None
+        return None, ()
+    costs = step_costs(target, head_folder, kind, req, hidden_layers, forward)
     if user_choices is None:
         shape = choose_shape(target, head_folder, kind, req, hidden_layers, forward)
-        return shape, (None if adaptive is False else shape)
-    costs = step_costs(target, head_folder, kind, req, hidden_layers, forward)
-    return None, modelled_shape(user_choices, req.profile, costs)
+        return shape, (() if adaptive is False else gate_options(shape.choices, req.profile, costs))
+    return None, gate_options(user_choices, req.profile, costs)

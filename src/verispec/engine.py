@@ -101,7 +101,8 @@ class Engine:
         model's parameters' device (the default; naming another one is a ValueError).
         ``forward``: what runs the decode/verify forward (default the model itself; e.g. a
         ``models.compiled.CompiledForward`` of it): called as the model, with a ``kv_len``.
-        ``gate``: which sequences draft each step (``draft_gate.DraftGate``; default: all)."""
+        ``gate``: how many draft nodes each sequence gets each step (``draft_gate.DraftGate``:
+        adaptive drafting; default: the drafter's whole tree)."""
         if not isinstance(acceptance, AcceptanceRule):
             raise TypeError(f"acceptance must be an AcceptanceRule (name, lossy, __call__), got {acceptance!r}")
         self.model = model
@@ -350,7 +351,7 @@ class Engine:
             return StepReport([], budget, 0, 0, 0.0)
         emitted0 = self.stats.num_emitted_tokens
         t0 = time.perf_counter()
-        trees, drafted = self._propose(seqs, budget)                          # 1) propose
+        trees, caps = self._propose(seqs, budget)                             # 1) propose
         t1 = time.perf_counter()
         batch, out = self._verify_forward(seqs, trees)                        # 2) verify
         t2 = time.perf_counter()
@@ -374,33 +375,34 @@ class Engine:
         self.stats.verify_time_s += t2 - t1
         self.stats.overhead_time_s += t3 - t2
         if self.gate is not None:
-            self.gate.observe_step(len(seqs), drafted, t3 - t0)
+            self.gate.observe_step(caps, t3 - t0)
         for s in seqs:
             s.stats.draft_time_s += t1 - t0
             s.stats.verify_time_s += t3 - t1
         return StepReport(seqs, budget, batch.batch * (1 + batch.num_nodes),
                           self.stats.num_emitted_tokens - emitted0, t3 - t0)
 
-    def _propose(self, seqs: list[Sequence], budget: int) -> tuple[list[DraftTree], int]:
-        """One tree per sequence, each cut to ``min(budget, room)`` nodes (a prefix is a tree), then
-        without the drafts its pipeline's constraint forbids (structured output). Sequences the
-        gate keeps plain this step get an empty tree without asking the drafter. Also returns how
-        many sequences the drafter was asked for."""
+    def _propose(self, seqs: list[Sequence], budget: int) -> tuple[list[DraftTree], list[int]]:
+        """One tree per sequence, each cut to ``min(budget, gate's budget, room)`` nodes (a prefix
+        is a tree), then without the drafts its pipeline's constraint forbids (structured output).
+        Sequences with a budget of 0 get an empty tree without asking the drafter. Also returns
+        each sequence's node budget (0: plain step)."""
         trees = [DraftTree.empty() for _ in seqs]
         if self._drafter is None or budget == 0:
-            return trees, 0
-        ask = [i for i, s in enumerate(seqs) if self.gate is None or self.gate.wants_draft(s.seq_id)]
+            return trees, [0] * len(seqs)
+        caps = [budget if self.gate is None else min(budget, self.gate.budget(s.seq_id)) for s in seqs]
+        ask = [i for i, cap in enumerate(caps) if cap > 0]
         if not ask:
-            return trees, 0
+            return trees, caps
         reqs = [DraftRequest(seqs[i].row, seqs[i].prompt_ids + seqs[i].output_ids, seqs[i].params,
-                             seqs[i].generator, max_nodes=min(budget, self._room(seqs[i]))) for i in ask]
+                             seqs[i].generator, max_nodes=min(caps[i], self._room(seqs[i]))) for i in ask]
         proposed = self._drafter.propose(reqs)
         for i, t, r in zip(ask, proposed, reqs):
             if len(t) > self.max_tree_nodes:
                 raise RuntimeError(f"drafter proposed {len(t)} nodes, more than its max_tree_nodes "
                                    f"{self.max_tree_nodes}")
             trees[i] = seqs[i].pipeline.restrict(t.prefix(r.max_nodes))
-        return trees, len(ask)
+        return trees, caps
 
     def _room(self, seq: Sequence) -> int:
         """Draft tokens worth proposing: never more than what max_tokens and context leave."""

@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .drafters.base import TargetFeatures
+from .drafters.base import TargetFeatures, join_features  # noqa: F401  (re-exported)
 from .models.kv_cache import KVCache
 
 _SALT = hashlib.sha256(b"verispec prefix cache v1").digest()
@@ -125,18 +125,6 @@ def slice_features(f: TargetFeatures | None, start: int, stop: int) -> TargetFea
         return None
     return TargetFeatures({i: h[start:stop].clone() for i, h in f.hidden.items()},
                           None if f.last_hidden is None else f.last_hidden[start:stop].clone())
-
-
-def join_features(parts: list[TargetFeatures | None]) -> TargetFeatures | None:
-    """Features of consecutive positions concatenated (None parts are skipped; all None: None)."""
-    parts = [p for p in parts if p is not None]
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    last = [p.last_hidden for p in parts]
-    return TargetFeatures({i: torch.cat([p.hidden[i] for p in parts]) for i in parts[0].hidden},
-                          None if last[0] is None else torch.cat(last))
 
 
 def features_to(f: TargetFeatures | None, device: torch.device) -> TargetFeatures | None:

@@ -54,6 +54,7 @@ class Summary:
     other_frac: float | None = None
     peak_rss_mib: float | None = None
     rss_increase_mib: float | None = None
+    drafted_share: float | None = None     # steps that verified a draft, of all steps
     compared: int = 0
     identical: int = 0
     ties: int = 0
@@ -81,6 +82,7 @@ def _aggregate(method: str, category: str, batch: int, records: list[RunRecord])
     s = Summary(method, category, batch, len(records), tokens, wall, tokens / wall if wall > 0 else 0.0,
                 st.mean_acceptance_length,
                 st.num_emitted_tokens / st.num_steps if st.num_steps else None, st.acceptance_rate_per_pos)
+    s.drafted_share = st.num_drafts / st.num_steps if st.num_steps else None
     if wall > 0 and all(r.draft_s is not None and r.verify_s is not None for r in records):
         draft, verify = sum(r.draft_s for r in records), sum(r.verify_s for r in records)
         s.draft_frac, s.verify_frac = draft / wall, verify / wall
@@ -198,10 +200,10 @@ def _detail_table(result: BenchResult, summaries: list[Summary], batch: int) -> 
             f"{_pct(s.identical_share)} ({s.identical}+{s.ties} ties of {s.compared}; {s.mismatches} mismatches)"
         rows.append([m.name, _f(s.tokens_per_s, 1), _x(s.speedup_vs_vanilla), _x(s.speedup_vs_hf)]
                     + ([_x(s.speedup_vs_llamacpp)] if llama else [])
-                    + [_f(s.mean_acceptance_length), _f(s.tokens_per_step), acc, split,
+                    + [_f(s.mean_acceptance_length), _f(s.tokens_per_step), _pct(s.drafted_share), acc, split,
                        _f(s.peak_rss_mib, 0), _f(s.rss_increase_mib, 0), same])
     return _table(["Method", "tok/s", "vs vanilla", "vs hf"] + (["vs llama.cpp"] if llama else [])
-                  + ["τ (bonus incl.)", "tokens/step", "acceptance per position", "draft / verify / other",
+                  + ["τ (bonus incl.)", "tokens/step", "drafted steps", "acceptance per position", "draft / verify / other",
                      "peak RSS MiB", "RSS increase MiB", "identical to vanilla"], rows)
 
 
@@ -304,8 +306,10 @@ DEFINITIONS = """## Definitions
   questions, batch size and run, all methods interleaved per batch; **vs hf**: over plain HF `generate`.
 - **τ**: mean acceptance length, tokens emitted per verification step that verified a draft,
   bonus/recovered token included (1.00 = never anything accepted). **tokens/step**: tokens per
-  target verification forward, drafted or not. **acceptance per position**: share of drafted steps
-  whose accepted path reached draft depth 1, 2, ...
+  target verification forward, drafted or not. **drafted steps**: share of steps that verified a
+  draft (below 100% when a drafter found nothing to propose, or adaptive drafting kept a request
+  plain). **acceptance per position**: share of drafted steps whose accepted path reached draft
+  depth 1, 2, ...
 - **draft / verify / other**: shares of wall time in drafting, in the target's verification
   forward, and the rest (prefill, acceptance, cache compaction, bookkeeping). Not exposed by HF.
 - **Peak RSS**: {memory}. It includes every model loaded in the process (shared by all methods);

@@ -6,8 +6,10 @@ feature at t with token at t+1, RoPE position t, predicting token t+2).
 Per batch row the drafter keeps
 - the head's ``KVCache`` row: committed pairs (f_t, x_{t+1}) for t = 0..L-1, all made from
   *target* features (never from the head's own guesses);
-- ``pending``: fused target features that arrived (``start``: every prompt position; ``accept``:
-  the committed positions) whose following token was not known yet.
+- ``pending``: target features that arrived (``start``: every prompt position; ``accept``: the
+  committed positions) whose following token was not known yet. They are fused (``head.fuse``)
+  at the next catch-up, all at once: a row that skips drafting for a while (adaptive drafting,
+  ``draft_gate``) pays one fused matmul when it drafts again, not one per step.
 Each ``propose``:
 1. catch up: feed the pending pairs (pending features with the context tokens one position
    later; the last pair uses the root) in one ragged batched forward and commit them; the output
@@ -33,7 +35,7 @@ from ..params import SamplingParams
 from ..shipped import with_shipped_head
 from ..spec_config import SpecConfigError, TreeHeadConfig
 from ..tree import DraftTree, pack_trees
-from .base import DraftRequest, TargetFeatures, tree_on
+from .base import DraftRequest, TargetFeatures, join_features, tree_on
 from .dynamic_tree import DynamicTreeConfig, RankBy, Ranked, StaticTreeConfig, TreeBuilder, TreeConfig, rank
 from .eagle_head import Eagle3Head, EagleHead, HeadKind
 
@@ -56,7 +58,7 @@ class EagleDrafter:
         self.device = head.embed_tokens.device       # the target's: cache, inputs and trees live there
         self._cap = tree.max_depth + 1        # pending pairs per row in steady state
         self.cache = head.new_cache(max_batch, max_len + self._cap + tree.max_expanded + 2)
-        self.pending: dict[int, list[torch.Tensor]] = {}
+        self.pending: dict[int, list[TargetFeatures]] = {}
         self.seen: dict[int, int] = {}        # context positions whose features arrived
 
     # -- protocol --------------------------------------------------------------------------
@@ -64,15 +66,13 @@ class EagleDrafter:
         if features is None:
             raise RuntimeError("EAGLE drafters need target features; the engine passed none")
         self.cache.reset(row)
-        with torch.no_grad():
-            self.pending[row] = [self.head.fuse(features)]
+        self.pending[row] = [features]
         self.seen[row] = len(prompt_ids)
 
     def accept(self, row: int, committed_ids: list[int], features: TargetFeatures | None) -> None:
         if features is None:
             raise RuntimeError("EAGLE drafters need target features; the engine passed none")
-        with torch.no_grad():
-            self.pending[row].append(self.head.fuse(features))
+        self.pending[row].append(features)
         self.seen[row] += len(committed_ids)
 
     def release(self, row: int) -> None:
@@ -115,7 +115,7 @@ class EagleDrafter:
             raise RuntimeError(f"row {r.row} was not started")
         m = len(r.context) - 1                       # target cache length; context[m] is the root
         length = int(self.cache.lengths[r.row])
-        feats = torch.cat(self.pending[r.row]) if self.pending[r.row] else None
+        feats = self.head.fuse(join_features(self.pending[r.row])) if self.pending[r.row] else None
         p = 0 if feats is None else feats.shape[0]
         if self.seen[r.row] != m or length + p != m or p == 0:
             raise RuntimeError(f"row {r.row}: context has {m} committed tokens but the drafter saw "
@@ -298,12 +298,12 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
     profile = AcceptanceProfile.load(config.model) if user is None or config.adaptive_drafting else None
     req = None if profile is None else \
         ShapeRequest(profile, lambda between: draft_costs(head, between=between), max_depth=8)
-    shape, gate_shape = plan_shape(target, config.model, kind.value + cut, req, user, config.adaptive_drafting,
+    shape, gate = plan_shape(target, config.model, kind.value + cut, req, user, config.adaptive_drafting,
                                    hidden_layers=head.hidden_layers, forward=forward)
     if shape is not None:
         tree = StaticTreeConfig(shape.choices)
     return ShapedFactory(lambda max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len),
-                         shape, gate_shape)
+                         shape, gate)
 
 
 # -- measured costs ------------------------------------------------------------------------------

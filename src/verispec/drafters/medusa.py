@@ -24,7 +24,7 @@ from ..models.packed import follows_packed_target
 from ..params import SamplingParams
 from ..shipped import with_shipped_head
 from ..spec_config import MedusaSpecConfig, SpecConfigError
-from ..tree import DraftTree, tree_from_choices
+from ..tree import DraftTree, tree_from_choices, validate_choices
 from ..device import module_device
 from .base import DraftRequest, TargetFeatures, tree_on
 from .dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
@@ -51,7 +51,7 @@ class MedusaDrafter:
         if tree.max_depth > heads.cfg.num_heads:
             raise ValueError(f"tree depth {tree.max_depth} needs more than the {heads.cfg.num_heads} Medusa heads")
         self.heads = heads.eval().requires_grad_(False)
-        self.choices = tree.choices
+        self.choices = tuple(validate_choices(tree.choices))      # tree order: a budget keeps a prefix
         self.max_tree_nodes = tree.max_nodes
         self.width = 1 + max(c[-1] for c in self.choices)
         self.depth = tree.max_depth                      # heads past the tree's depth are not run
@@ -74,15 +74,20 @@ class MedusaDrafter:
         if not requests:
             return []
         f = torch.stack([self.last[r.row] for r in requests])
-        top = torch.topk(self.heads(f.to(_dtype(self.heads)), self.depth), self.width, dim=-1).indices   # [B, d, w]
+        # a node budget keeps a prefix of the tree: only the heads that prefix reaches are run
+        keep = [self.choices[:r.max_nodes] if r.max_nodes is not None else self.choices for r in requests]
+        depth = max((len(c) for k in keep for c in k), default=0)
+        if depth == 0:
+            return [tree_on(DraftTree.empty(), self.device) for _ in requests]
+        top = torch.topk(self.heads(f.to(_dtype(self.heads)), depth), self.width, dim=-1).indices   # [B, d, w]
         if self.heads.vocab_ids is not None:
             top = self.heads.vocab_ids[top]                  # reduced vocabulary columns -> target ids
         ranked = top.tolist()
         trees = []
-        for i, r in enumerate(requests):
+        for i, k in enumerate(keep):
             top = ranked[i]
-            tree = tree_from_choices(self.choices, lambda path, top=top: top[len(path)])
-            trees.append(tree_on(tree.prefix(r.max_nodes), self.device))
+            tree = tree_from_choices(k, lambda path, top=top: top[len(path)]) if k else DraftTree.empty()
+            trees.append(tree_on(tree, self.device))
         return trees
 
 
@@ -136,11 +141,11 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
     profile = AcceptanceProfile.load(config.model) if user is None or config.adaptive_drafting else None
     req = None if profile is None else ShapeRequest(
         profile, lambda between: (draft_cost(heads, between=between), ()), max_depth=heads.cfg.num_heads)
-    shape, gate_shape = plan_shape(target, config.model, "medusa", req, user, config.adaptive_drafting,
+    shape, gate = plan_shape(target, config.model, "medusa", req, user, config.adaptive_drafting,
                                    forward=forward)
     if shape is not None:
         tree = StaticTreeConfig(shape.choices)
-    return ShapedFactory(lambda max_batch, max_len: MedusaDrafter(heads, tree), shape, gate_shape)
+    return ShapedFactory(lambda max_batch, max_len: MedusaDrafter(heads, tree), shape, gate)
 
 
 def draft_cost(heads: MedusaHeads, reps: int = 7, between=None) -> float:
