@@ -78,16 +78,21 @@ def test_a_trial_that_pays_resumes_drafting():
     assert gate.mode(3) is None
 
 
-def test_cost_ratios_come_from_timed_batch_one_steps():
+def test_cost_ratios_come_from_the_requests_timed_batch_one_steps():
     gate = DraftGate(OPTIONS, GateConfig(min_timed=3))
+    gate.budget(5)
+    gate.budget(6)
     for _ in range(3):
-        gate.observe_step([3], 0.0150)
-        gate.observe_step([0], 0.0100)
-        gate.observe_step([3, 0, 1], 0.100)            # batch > 1: not timed
-    gate.observe_step([0], 9.0)                         # one outlier (a compile) does not move a median
-    assert gate.measured_ratio(3) == pytest.approx(1.5) and gate.cost_ratio(3) == pytest.approx(1.5)
-    assert gate.measured_ratio(1) is None and gate.cost_ratio(1) == 1.2        # not timed: modelled
-    assert gate.best(1.0) == 1                          # the measured cost made the whole tree dearer
+        gate.observe_step([5], [3], 0.0150)
+        gate.observe_step([5], [0], 0.0100)
+        gate.observe_step([6], [0], 0.0200)             # another request (a longer context): its own
+        gate.observe_step([5, 6], [3, 1], 0.100)        # batch > 1: not timed
+    gate.observe_step([5], [0], 9.0)                    # one outlier (a compile) does not move a median
+    assert gate.measured_ratio(3, 5) == pytest.approx(1.5) and gate.cost_ratio(3, 5) == pytest.approx(1.5)
+    assert gate.measured_ratio(1, 5) is None and gate.cost_ratio(1, 5) == 1.2   # not timed: modelled
+    assert gate.best(1.0, 5) == 1                       # the measured cost made the whole tree dearer
+    assert gate.measured_ratio(3, 6) is None and gate.best(1.0, 6) == 3
+    gate.observe_step([99], [0], 0.01)                  # an unknown request: ignored
 
 
 def test_gate_arguments_are_checked():
@@ -168,7 +173,7 @@ class _Rotating:
     def observe(self, seq_id, drafted, accepted):
         self.seen.append(drafted)
 
-    def observe_step(self, budgets, time_s):
+    def observe_step(self, seq_ids, budgets, time_s):
         pass
 
     def release(self, seq_id):

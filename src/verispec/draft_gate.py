@@ -20,16 +20,20 @@ Per request, ``DraftGate`` scales the profile by how the request's recent drafte
 tree (``E``): one step's count is noisy (0 or 1 most of the time), and a few unlucky steps must
 not stop a request that gains. Each step it drafts the budget ``m`` with the best
 ``(1 + c E_m) / R_m``. When that is ``m = 0`` (plain decoding beats every prefix) the request
-stops drafting for ``min_wait`` steps, then drafts a trial of ``trial`` steps: if the trial's own
-``c`` makes some prefix pay, it drafts again, otherwise it waits twice as long (at most
+stops drafting for ``min_wait`` steps, then drafts a trial of ``trial`` steps (the budget its
+history favours, at least the first node): if the trial's own ``c`` makes some prefix pay, it
+drafts again with the trial as its window, otherwise it waits twice as long (at most
 ``max_wait``) before the next trial. Acceptance changes within an answer (a list, an equation,
 a passage quoted from the prompt), so a stopped request is tried again, at a cost that shrinks
 the longer it keeps failing.
 
-``R_m`` is the modelled ratio until batch-1 steps of budget ``m`` and plain steps have both been
-timed in this engine (``observe_step``): then the ratio of the medians of the last
+``R_m`` is the modelled ratio until batch-1 steps of budget ``m`` and plain steps of the same
+request have both been timed (``observe_step``): then the ratio of the medians of the last
 ``time_window`` of each, which includes what the model leaves out (per-step work outside the
-forwards, caches a draft forward finds cold). At batch > 1 the modelled ratios are used.
+forwards, caches a draft forward finds cold). Per request, because a step's time grows with its
+context: an engine serves short and long prompts one after another, and a request that stops
+drafting is often a long one (summaries, retrieval), whose plain steps would make every
+drafted step of a short one look cheap. At batch > 1 the modelled ratios are used.
 
 Lossless by construction: the gate only chooses how many draft nodes a request gets this step; a
 step without any is a plain decoding step. Knows nothing about drafters or models.
@@ -39,7 +43,7 @@ from __future__ import annotations
 import enum
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 
@@ -51,7 +55,7 @@ class GateConfig:
     trial: int = 2             # drafted steps of a trial after a wait
     min_wait: int = 8          # plain steps after a request stops drafting, before its first trial
     max_wait: int = 64         # longest wait between trials (doubled after each failed one)
-    time_window: int = 32      # batch-1 step times kept per budget for the measured ratios
+    time_window: int = 32      # a request's batch-1 step times kept per budget for its measured ratios
     min_timed: int = 4         # steps of a budget (and plain ones) timed before its measured ratio is used
 
     def __post_init__(self) -> None:
@@ -82,10 +86,12 @@ class Mode(enum.Enum):
 @dataclass
 class _SeqState:
     steps: deque               # (accepted, modelled E of the budget drafted) of the latest drafted steps
+    trial_steps: list = field(default_factory=list)   # TRIAL: the same for the trial's steps
     mode: Mode = Mode.DRAFT
     left: int = 0              # WAIT: plain steps left
     wait: int = 0              # the current wait between trials
     budget: int = 0            # the budget given this step
+    times: dict = field(default_factory=dict)   # budget -> its latest batch-1 step times (s)
 
 
 @dataclass
@@ -118,37 +124,37 @@ class DraftGate:
         self.options, self.config = options, config
         self._by_nodes = {o.nodes: o for o in options}
         self._seqs: dict[int, _SeqState] = {}
-        self._times: dict[int, deque] = {}
         self.stats = GateStats(budgets={})
 
     # -- costs -------------------------------------------------------------------------------------
-    def cost_ratio(self, nodes: int) -> float:
-        """``T_m / T_0`` for budget ``nodes``: measured when both are timed enough, else modelled."""
-        d, p = self._times.get(nodes, ()), self._times.get(0, ())
-        if min(len(d), len(p)) >= self.config.min_timed:
-            return statistics.median(d) / statistics.median(p)
-        return self._by_nodes[nodes].cost_ratio
+    def cost_ratio(self, nodes: int, seq_id: int | None = None) -> float:
+        """``T_m / T_0`` for budget ``nodes``: measured for request ``seq_id`` when both are timed
+        enough, else modelled."""
+        measured = self.measured_ratio(nodes, seq_id)
+        return self._by_nodes[nodes].cost_ratio if measured is None else measured
 
-    def measured_ratio(self, nodes: int) -> float | None:
-        """``T_m / T_0`` from this engine's timed batch-1 steps; None until enough of each."""
-        d, p = self._times.get(nodes, ()), self._times.get(0, ())
+    def measured_ratio(self, nodes: int, seq_id: int | None) -> float | None:
+        """``T_m / T_0`` from the request's timed batch-1 steps; None until enough of each."""
+        st = self._seqs.get(seq_id)
+        times = st.times if st is not None else {}
+        d, p = times.get(nodes, ()), times.get(0, ())
         return statistics.median(d) / statistics.median(p) if min(len(d), len(p)) >= self.config.min_timed else None
 
-    def best(self, scale: float) -> int:
-        """The budget (0: plain) with the most tokens per time when the profile is scaled by ``scale``."""
+    def best(self, scale: float, seq_id: int | None = None) -> int:
+        """The budget (0: plain) with the most tokens per time when the profile is scaled by
+        ``scale``, with request ``seq_id``'s measured costs where it has them."""
         best, value = 0, 1.0
         for o in self.options:
-            v = (1.0 + scale * o.expected_accepted) / self.cost_ratio(o.nodes)
+            v = (1.0 + scale * o.expected_accepted) / self.cost_ratio(o.nodes, seq_id)
             if v > value + 1e-12:
                 best, value = o.nodes, v
         return best
 
-    def scale(self, seq_id: int, prior: bool = True) -> float:
-        """How the request's recent drafted steps did against the profile (1: as modelled);
-        ``prior=False``: the steps alone (a trial's)."""
+    def scale(self, seq_id: int) -> float:
+        """How the request's recent drafted steps did against the profile (1: as modelled)."""
         st = self._seqs.get(seq_id)
         steps = st.steps if st is not None else ()
-        n0 = self.config.prior_steps * self.options[-1].expected_accepted if prior else 0.0
+        n0 = self.config.prior_steps * self.options[-1].expected_accepted
         got = sum(a for a, _ in steps) + n0
         modelled = sum(e for _, e in steps) + n0
         return got / modelled if modelled > 0 else 1.0
@@ -165,12 +171,12 @@ class DraftGate:
                 st.budget = 0
                 self.stats.plain += 1
                 return 0
-            st.mode, st.steps = Mode.TRIAL, deque(maxlen=self.config.window)
+            st.mode, st.trial_steps = Mode.TRIAL, []
             self.stats.trials += 1
-        if st.mode is Mode.TRIAL:
-            st.budget = self.best(self.scale(seq_id)) or self.options[0].nodes
+        if st.mode is Mode.TRIAL:                     # the budget the request's history favours
+            st.budget = self.best(self.scale(seq_id), seq_id) or self.options[0].nodes
         else:
-            st.budget = self.best(self.scale(seq_id))
+            st.budget = self.best(self.scale(seq_id), seq_id)
             if st.budget == 0:                        # plain beats every prefix: stop drafting
                 self._wait(st, self.config.min_wait)
                 return self.budget(seq_id)
@@ -184,23 +190,31 @@ class DraftGate:
         st = self._seqs.get(seq_id)
         if st is None or drafted == 0 or st.budget == 0:
             return
-        option = self._by_nodes.get(st.budget) or self.options[-1]
-        st.steps.append((accepted, option.expected_accepted))
-        if st.mode is Mode.TRIAL and len(st.steps) >= self.config.trial:
-            if self.best(self.scale(seq_id, prior=False)) > 0:
-                st.mode = Mode.DRAFT
-            else:
-                self._wait(st, min(2 * st.wait, self.config.max_wait))
+        step = (accepted, (self._by_nodes.get(st.budget) or self.options[-1]).expected_accepted)
+        if st.mode is Mode.DRAFT:
+            st.steps.append(step)
+            return
+        st.trial_steps.append(step)
+        if len(st.trial_steps) < self.config.trial:
+            return
+        got, modelled = sum(a for a, _ in st.trial_steps), sum(e for _, e in st.trial_steps)
+        if self.best(got / modelled if modelled > 0 else 1.0, seq_id) > 0:
+            st.mode = Mode.DRAFT                      # the trial's steps start a new window
+            st.steps = deque(st.trial_steps, maxlen=self.config.window)
+        else:
+            st.steps.extend(st.trial_steps)
+            self._wait(st, min(2 * st.wait, self.config.max_wait))
 
     @staticmethod
     def _wait(st: _SeqState, steps: int) -> None:
         st.mode, st.wait, st.left = Mode.WAIT, steps, steps
 
-    def observe_step(self, budgets: Sequence[int], time_s: float) -> None:
-        """A whole engine step's wall time and the budget each row drafted (0: plain); batch-1
-        steps feed the measured cost ratios."""
-        if len(budgets) == 1:
-            self._times.setdefault(budgets[0], deque(maxlen=self.config.time_window)).append(time_s)
+    def observe_step(self, seq_ids: Sequence[int], budgets: Sequence[int], time_s: float) -> None:
+        """A whole engine step's wall time, its requests and the budget each drafted (0: plain);
+        batch-1 steps feed that request's measured cost ratios."""
+        st = self._seqs.get(seq_ids[0]) if len(seq_ids) == 1 else None
+        if st is not None:
+            st.times.setdefault(budgets[0], deque(maxlen=self.config.time_window)).append(time_s)
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)

@@ -375,7 +375,7 @@ class Engine:
         self.stats.verify_time_s += t2 - t1
         self.stats.overhead_time_s += t3 - t2
         if self.gate is not None:
-            self.gate.observe_step(caps, t3 - t0)
+            self.gate.observe_step([s.seq_id for s in seqs], caps, t3 - t0)
         for s in seqs:
             s.stats.draft_time_s += t1 - t0
             s.stats.verify_time_s += t3 - t1
