@@ -16,9 +16,9 @@ each with the modelled accepted tokens ``E_m`` (the head's acceptance profile) a
 
 Per request, ``DraftGate`` scales the profile by how the request's recent drafted steps did:
 ``c = (sum of accepted + n0 E) / (sum of modelled E_m of the budgets used + n0 E)`` over its last
-``window`` drafted steps, shrunk towards 1 with the weight of ``prior_steps`` steps of the whole
-tree (``E``): one step's count is noisy (0 or 1 most of the time), and a few unlucky steps must
-not stop a request that gains. Each step it drafts the budget ``m`` with the best
+``window`` drafted steps, shrunk towards 1 with the weight of ``n0 = prior_steps`` steps like
+them (``E``: their mean modelled E_m): one step's count is noisy (0 or 1 most of the time), and a
+few unlucky steps must not stop a request that gains. Each step it drafts the budget ``m`` with the best
 ``(1 + c E_m) / R_m``. When that is ``m = 0`` (plain decoding beats every prefix) the request
 stops drafting for ``min_wait`` steps, then drafts a trial of ``trial`` steps (the budget its
 history favours, at least the first node): if the trial's own ``c`` makes some prefix pay, it
@@ -50,9 +50,9 @@ from typing import Sequence
 @dataclass(frozen=True)
 class GateConfig:
     """Tuning of ``DraftGate`` (chosen on Spec-Bench with the shipped SmolLM2 heads)."""
-    window: int = 16           # a request's latest drafted steps its estimate averages
-    prior_steps: float = 2.0   # weight of the profile (c = 1), in drafted steps of the whole tree
-    trial: int = 2             # drafted steps of a trial after a wait
+    window: int = 24           # a request's latest drafted steps its estimate averages
+    prior_steps: float = 4.0   # weight of the profile (c = 1), in drafted steps like the window's
+    trial: int = 4             # drafted steps of a trial after a wait
     min_wait: int = 8          # plain steps after a request stops drafting, before its first trial
     max_wait: int = 64         # longest wait between trials (doubled after each failed one)
     time_window: int = 32      # a request's batch-1 step times kept per budget for its measured ratios
@@ -154,7 +154,8 @@ class DraftGate:
         """How the request's recent drafted steps did against the profile (1: as modelled)."""
         st = self._seqs.get(seq_id)
         steps = st.steps if st is not None else ()
-        n0 = self.config.prior_steps * self.options[-1].expected_accepted
+        typical = sum(e for _, e in steps) / len(steps) if steps else self.options[-1].expected_accepted
+        n0 = self.config.prior_steps * typical
         got = sum(a for a, _ in steps) + n0
         modelled = sum(e for _, e in steps) + n0
         return got / modelled if modelled > 0 else 1.0
