@@ -205,3 +205,26 @@ def test_rows_switching_between_drafted_and_plain_steps_stay_lossless(packed_tar
     for p, o, r in zip(prompts, spec.generate(prompts, params), ref):
         assert_same_or_tie(spec.target.model, p["prompt_token_ids"], o.token_ids, r.token_ids, method + " mixed")
     assert {0, 1, 2} <= set(stub.seen)
+
+
+def test_sampled_requests_are_not_timed_and_stay_reproducible(packed_target, chat_prompts, monkeypatch):
+    """A sampled request's draws depend on which steps drafted: its budgets follow from its seed
+    (acceptance counts, modelled costs), never from step timings, so a seeded request gives the same
+    output twice; greedy requests are timed."""
+    spec = LLM(loaded=packed_target, speculative_config={"method": "eagle3"})
+    seen = []
+    real = spec._make_gate
+
+    def spy():
+        gate = real()
+        observe_step = gate.observe_step
+        gate.observe_step = lambda ids, budgets, t: seen.append(list(ids)) or observe_step(ids, budgets, t)
+        return gate
+    monkeypatch.setattr(spec, "_make_gate", spy)
+    prompt = {"prompt_token_ids": chat_prompts[0]}
+    sampled = SamplingParams(temperature=0.8, max_tokens=40, seed=3)
+    first, second = (spec.generate([prompt], sampled)[0].token_ids for _ in range(2))
+    assert first == second and seen and all(ids == [None] for ids in seen)
+    seen.clear()
+    spec.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
+    assert seen and all(ids[0] is not None for ids in seen)

@@ -678,9 +678,12 @@ def test_medusa_typical_acceptance_through_http_is_applied_and_reported(llm):
     with it, not the lossless one) and is reported in the body, every stream chunk and /metrics."""
     prompt = "Write a short story about a robot."
     sp = SamplingParams(temperature=0.9, max_tokens=24, seed=7, ignore_eos=True)
-    lossy = LLM(loaded=llm.target, speculative_config={"method": "medusa", "typical_acceptance": True})
+    # every step drafts the whole tree (adaptive drafting off): the rule, not the budgets, is tested
+    lossy = LLM(loaded=llm.target, speculative_config={"method": "medusa", "typical_acceptance": True,
+                                                      "adaptive_drafting": False})
     want = lossy.generate(prompt, sp)[0]
-    lossless = LLM(loaded=llm.target, speculative_config={"method": "medusa"}).generate(prompt, sp)[0]
+    lossless = LLM(loaded=llm.target, speculative_config={"method": "medusa", "adaptive_drafting": False}) \
+        .generate(prompt, sp)[0]
     assert want.metrics.lossy and not lossless.metrics.lossy and want.token_ids != lossless.token_ids
     body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.9, "seed": 7, "ignore_eos": True}
     with InProcessServer(lossy, max_num_seqs=2) as srv:

@@ -30,7 +30,9 @@ the longer it keeps failing.
 ``R_m`` is the modelled ratio until batch-1 steps of budget ``m`` and plain steps of the same
 request have both been timed (``observe_step``): then the ratio of the medians of the last
 ``time_window`` of each, which includes what the model leaves out (per-step work outside the
-forwards, caches a draft forward finds cold). Per request, because a step's time grows with its
+forwards, caches a draft forward finds cold); only greedy requests are timed (the engine's
+choice: a sampled request's draws depend on which steps drafted, so its budgets must follow from
+its seed alone to be reproducible). Per request, because a step's time grows with its
 context: an engine serves short and long prompts one after another, and a request that stops
 drafting is often a long one (summaries, retrieval), whose plain steps would make every
 drafted step of a short one look cheap. At batch > 1 the modelled ratios are used.
@@ -101,11 +103,11 @@ class GateStats:
     drafted: int = 0
     plain: int = 0
     trials: int = 0
-    budgets: dict | None = None
+    budgets: dict = field(default_factory=dict)     # budget -> drafted steps
 
     def as_dict(self) -> dict:
         return {"drafted_steps": self.drafted, "plain_steps": self.plain, "trials": self.trials,
-                "budgets": dict(sorted((self.budgets or {}).items()))}
+                "budgets": dict(sorted(self.budgets.items()))}
 
 
 class DraftGate:
@@ -124,7 +126,7 @@ class DraftGate:
         self.options, self.config = options, config
         self._by_nodes = {o.nodes: o for o in options}
         self._seqs: dict[int, _SeqState] = {}
-        self.stats = GateStats(budgets={})
+        self.stats = GateStats()
 
     # -- costs -------------------------------------------------------------------------------------
     def cost_ratio(self, nodes: int, seq_id: int | None = None) -> float:
@@ -210,9 +212,11 @@ class DraftGate:
     def _wait(st: _SeqState, steps: int) -> None:
         st.mode, st.wait, st.left = Mode.WAIT, steps, steps
 
-    def observe_step(self, seq_ids: Sequence[int], budgets: Sequence[int], time_s: float) -> None:
+    def observe_step(self, seq_ids: Sequence[int | None], budgets: Sequence[int], time_s: float) -> None:
         """A whole engine step's wall time, its requests and the budget each drafted (0: plain);
-        batch-1 steps feed that request's measured cost ratios."""
+        batch-1 steps feed that request's measured cost ratios. A request passed as None is not
+        timed: its budgets then follow from its acceptance alone (a sampled request's output
+        depends on which steps drafted, so timings would make a seeded request irreproducible)."""
         st = self._seqs.get(seq_ids[0]) if len(seq_ids) == 1 else None
         if st is not None:
             st.times.setdefault(budgets[0], deque(maxlen=self.config.time_window)).append(time_s)

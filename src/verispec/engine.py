@@ -375,7 +375,9 @@ class Engine:
         self.stats.verify_time_s += t2 - t1
         self.stats.overhead_time_s += t3 - t2
         if self.gate is not None:
-            self.gate.observe_step([s.seq_id for s in seqs], caps, t3 - t0)
+            # only greedy requests are timed: a sampled request's draws depend on which steps
+            # drafted, so its budgets must follow from its seed alone (modelled costs), not timings
+            self.gate.observe_step([s.seq_id if s.params.greedy else None for s in seqs], caps, t3 - t0)
         for s in seqs:
             s.stats.draft_time_s += t1 - t0
             s.stats.verify_time_s += t3 - t1
