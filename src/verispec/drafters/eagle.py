@@ -72,7 +72,7 @@ class EagleDrafter:
     def accept(self, row: int, committed_ids: list[int], features: TargetFeatures | None) -> None:
         if features is None:
             raise RuntimeError("EAGLE drafters need target features; the engine passed none")
-        self.pending[row].append(features)
+        self.pending[row].append(_own(features))
         self.seen[row] += len(committed_ids)
 
     def release(self, row: int) -> None:
@@ -204,6 +204,13 @@ class EagleDrafter:
         return DraftTree(toks, parents)
 
 
+def _own(features: TargetFeatures) -> TargetFeatures:
+    """``features`` in tensors of their own: the engine hands over views of a whole step's batched
+    features, which a row that drafts again only after many plain steps would otherwise keep alive."""
+    return TargetFeatures({i: h.clone() for i, h in features.hidden.items()},
+                          None if features.last_hidden is None else features.last_hidden.clone())
+
+
 class _Scratch:
     """One row's head scratch slots during ``_grow`` as a tree over slots: slot s holds a node's
     (parent state, token) pair, a padding slot token 0 below the root."""
@@ -299,7 +306,7 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
     req = None if profile is None else \
         ShapeRequest(profile, lambda between: draft_costs(head, between=between), max_depth=8)
     shape, gate = plan_shape(target, config.model, kind.value + cut, req, user, config.adaptive_drafting,
-                                   hidden_layers=head.hidden_layers, forward=forward)
+                             hidden_layers=head.hidden_layers, forward=forward)
     if shape is not None:
         tree = StaticTreeConfig(shape.choices)
     return ShapedFactory(lambda max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len),

@@ -142,7 +142,7 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
     req = None if profile is None else ShapeRequest(
         profile, lambda between: (draft_cost(heads, between=between), ()), max_depth=heads.cfg.num_heads)
     shape, gate = plan_shape(target, config.model, "medusa", req, user, config.adaptive_drafting,
-                                   forward=forward)
+                             forward=forward)
     if shape is not None:
         tree = StaticTreeConfig(shape.choices)
     return ShapedFactory(lambda max_batch, max_len: MedusaDrafter(heads, tree), shape, gate)
