@@ -132,22 +132,32 @@ class DraftGate:
     def cost_ratio(self, nodes: int, seq_id: int | None = None) -> float:
         """``T_m / T_0`` for budget ``nodes``: measured for request ``seq_id`` when both are timed
         enough, else modelled."""
-        measured = self.measured_ratio(nodes, seq_id)
+        measured = self._measured(seq_id)(nodes)
         return self._by_nodes[nodes].cost_ratio if measured is None else measured
 
     def measured_ratio(self, nodes: int, seq_id: int | None) -> float | None:
         """``T_m / T_0`` from the request's timed batch-1 steps; None until enough of each."""
+        return self._measured(seq_id)(nodes)
+
+    def _measured(self, seq_id: int | None):
+        """``nodes -> measured T_m / T_0 or None`` for request ``seq_id`` (its plain steps' median
+        taken once, however many budgets are asked)."""
         st = self._seqs.get(seq_id)
-        times = st.times if st is not None else {}
-        d, p = times.get(nodes, ()), times.get(0, ())
-        return statistics.median(d) / statistics.median(p) if min(len(d), len(p)) >= self.config.min_timed else None
+        times, n = (st.times if st is not None else {}), self.config.min_timed
+        plain = statistics.median(times[0]) if len(times.get(0, ())) >= n else None
+
+        def ratio(nodes: int) -> float | None:
+            d = times.get(nodes, ())
+            return statistics.median(d) / plain if plain is not None and len(d) >= n else None
+        return ratio
 
     def best(self, scale: float, seq_id: int | None = None) -> int:
         """The budget (0: plain) with the most tokens per time when the profile is scaled by
         ``scale``, with request ``seq_id``'s measured costs where it has them."""
-        best, value = 0, 1.0
+        best, value, measured = 0, 1.0, self._measured(seq_id)
         for o in self.options:
-            v = (1.0 + scale * o.expected_accepted) / self.cost_ratio(o.nodes, seq_id)
+            r = measured(o.nodes)
+            v = (1.0 + scale * o.expected_accepted) / (o.cost_ratio if r is None else r)
             if v > value + 1e-12:
                 best, value = o.nodes, v
         return best

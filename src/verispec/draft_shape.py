@@ -428,9 +428,9 @@ def step_costs(target, head_folder: str | Path, kind: str, req: ShapeRequest,
 
 
 def choose_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest,
-                 hidden_layers: tuple[int, ...] = (), forward=None) -> ShapeChoice:
-    """The best tree for this head on this machine's step costs (``step_costs``)."""
-    costs = step_costs(target, head_folder, kind, req, hidden_layers, forward)
+                 hidden_layers: tuple[int, ...] = (), forward=None, costs: StepCosts | None = None) -> ShapeChoice:
+    """The best tree for this head on this machine's step costs (``costs``; default ``step_costs``)."""
+    costs = costs or step_costs(target, head_folder, kind, req, hidden_layers, forward)
     shape = best_tree(req.profile, costs, max_nodes=req.max_nodes, max_depth=req.max_depth,
                       max_width=req.max_width)
     if not shape.pays:
@@ -462,19 +462,22 @@ def gate_options(choices, profile: AcceptanceProfile, costs: StepCosts) -> tuple
     return tuple(out)
 
 
-def plan_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest | None,
+def plan_shape(target, head_folder: str | Path, kind: str, measure_draft, max_depth: int,
                user_choices, adaptive: bool | None, hidden_layers: tuple[int, ...] = (),
                forward=None) -> tuple[ShapeChoice | None, tuple]:
-    """``(chosen, gate options)`` for a head factory. ``req``: the head's profile and cost
-    measurement, None when its folder has no ``acceptance.json``. ``user_choices``: None when the
-    user set no shape, the static tree's choices when they gave one, ``()`` for a dynamic tree.
-    ``adaptive``: the config's ``adaptive_drafting`` (None: on for a shape chosen here).
+    """``(chosen, gate options)`` for a head factory. The head's profile is its folder's
+    ``acceptance.json``, read only when needed; ``measure_draft`` and ``max_depth`` as in
+    ``ShapeRequest``. ``user_choices``: None when the user set no shape, the static tree's
+    choices when they gave one, ``()`` for a dynamic tree. ``adaptive``: the config's
+    ``adaptive_drafting`` (None: on for a shape chosen here).
 
     - no user shape and a profile: the best tree (``choose_shape``), gated unless adaptive is False;
     - a user's static tree with ``adaptive_drafting: true``: that tree, gated;
     - adaptive True without a profile, or with a dynamic tree: a ``SpecConfigError``.
     The gate's options are the tree's prefixes (``gate_options``); () when not gated."""
     from .spec_config import SpecConfigError
+    profile = AcceptanceProfile.load(head_folder) if user_choices is None or adaptive else None
+    req = None if profile is None else ShapeRequest(profile, measure_draft, max_depth=max_depth)
     if adaptive and req is None:
         raise SpecConfigError(f"'adaptive_drafting' needs the head's measured acceptance ({head_folder}/"
                               f"{PROFILE_FILE}, written by 'verispec train ... --eval-only'); the folder has none")
@@ -485,6 +488,6 @@ def plan_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest | N
         return None, ()
     costs = step_costs(target, head_folder, kind, req, hidden_layers, forward)
     if user_choices is None:
-        shape = choose_shape(target, head_folder, kind, req, hidden_layers, forward)
+        shape = choose_shape(target, head_folder, kind, req, hidden_layers, forward, costs)
         return shape, (() if adaptive is False else gate_options(shape.choices, req.profile, costs))
     return None, gate_options(user_choices, req.profile, costs)

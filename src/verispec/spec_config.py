@@ -149,8 +149,7 @@ class DraftModelConfig(SpeculativeConfig):
         super().check()
         if not self.model:
             raise SpecConfigError("method 'draft_model' needs 'model' (a model name or path, or 'self')")
-        if self.draft_compile is not None and not isinstance(self.draft_compile, bool):
-            raise SpecConfigError(f"speculative_config 'draft_compile' must be true or false, got {self.draft_compile!r}")
+        _check_bool(self, "draft_compile")
         if self.model == "self" and self.self_draft_layers is None:
             raise SpecConfigError("model 'self' (self-draft) needs 'self_draft_layers'")
         c = self.draft_confidence_threshold
@@ -175,7 +174,7 @@ class TreeHeadConfig(SpeculativeConfig):
     rerank: bool | None = None               # global rerank (default true)
     draft_vocab: str | None = None           # runtime cut of the head's draft vocabulary (file); "full":
                                              # none (default: the head folder's draft_vocab.safetensors)
-    adaptive_drafting: bool | None = None    # per-sequence drafting on/off from its acceptance (draft_gate);
+    adaptive_drafting: bool | None = None    # a draft budget per request and step (draft_gate);
                                              # default: on for a shape chosen from measured costs
 
     def check(self) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..draft_shape import AcceptanceProfile, ShapedFactory, ShapeRequest, plan_shape, time_ms
+from ..draft_shape import ShapedFactory, plan_shape, time_ms
 from ..models.packed import follows_packed_target
 from ..params import SamplingParams
 from ..shipped import with_shipped_head
@@ -302,11 +302,9 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
     user = None
     if sets_shape(config):
         user = tree.choices if isinstance(tree, StaticTreeConfig) else ()
-    profile = AcceptanceProfile.load(config.model) if user is None or config.adaptive_drafting else None
-    req = None if profile is None else \
-        ShapeRequest(profile, lambda between: draft_costs(head, between=between), max_depth=8)
-    shape, gate = plan_shape(target, config.model, kind.value + cut, req, user, config.adaptive_drafting,
-                             hidden_layers=head.hidden_layers, forward=forward)
+    shape, gate = plan_shape(target, config.model, kind.value + cut,
+                             lambda between: draft_costs(head, between=between), 8, user,
+                             config.adaptive_drafting, hidden_layers=head.hidden_layers, forward=forward)
     if shape is not None:
         tree = StaticTreeConfig(shape.choices)
     return ShapedFactory(lambda max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..draft_shape import AcceptanceProfile, ShapedFactory, ShapeRequest, plan_shape, time_ms
+from ..draft_shape import ShapedFactory, plan_shape, time_ms
 from ..models.packed import follows_packed_target
 from ..params import SamplingParams
 from ..shipped import with_shipped_head
@@ -54,7 +54,6 @@ class MedusaDrafter:
         self.choices = tuple(validate_choices(tree.choices))      # tree order: a budget keeps a prefix
         self.max_tree_nodes = tree.max_nodes
         self.width = 1 + max(c[-1] for c in self.choices)
-        self.depth = tree.max_depth                      # heads past the tree's depth are not run
         if heads.vocab_ids is not None and self.width > heads.vocab_ids.numel():
             raise ValueError(f"the tree takes rank {self.width - 1} of a draft vocabulary of {heads.vocab_ids.numel()}")
         self.device = module_device(heads)               # the target's: trees are handed over there
@@ -138,11 +137,9 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
         heads.pack_fp16_(target.model.lm_head)      # draft with the target's fp16-packed kernels
     tree = medusa_tree(config, heads.cfg.num_heads)
     user = tree.choices if config.tree is not None or config.num_speculative_tokens is not None else None
-    profile = AcceptanceProfile.load(config.model) if user is None or config.adaptive_drafting else None
-    req = None if profile is None else ShapeRequest(
-        profile, lambda between: (draft_cost(heads, between=between), ()), max_depth=heads.cfg.num_heads)
-    shape, gate = plan_shape(target, config.model, "medusa", req, user, config.adaptive_drafting,
-                             forward=forward)
+    shape, gate = plan_shape(target, config.model, "medusa",
+                             lambda between: (draft_cost(heads, between=between), ()), heads.cfg.num_heads,
+                             user, config.adaptive_drafting, forward=forward)
     if shape is not None:
         tree = StaticTreeConfig(shape.choices)
     return ShapedFactory(lambda max_batch, max_len: MedusaDrafter(heads, tree), shape, gate)
