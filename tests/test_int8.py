@@ -166,3 +166,52 @@ def test_int8_vanilla_is_repeatable_and_follows_the_model(int8_target, head_prom
             logits = m(torch.tensor([prompt]), torch.arange(len(prompt))[None]).logits[0, -1]
             assert int(logits.argmax()) == out.token_ids[0]
     assert int8_target.weights is WeightFormat.INT8
+
+
+@pytest.fixture(scope="module")
+def int4_head8_target():
+    from verispec.models.int4 import kernel
+    if kernel() is None:
+        pytest.skip("torch's int4 kernel is not row-invariant")
+    return load_model("smollm2-135m", dtype="float32", weights="int4-head8")
+
+
+def test_int4_head8_packs_the_tied_head_in_int8(int4_head8_target, head_prompts, single_thread):
+    """``int4-head8``: int4 decoder layers, the LM head on the int8 kernel, the tied embedding
+    reading the same dequantised rows (already on the int8 grid), and the whole forward
+    row-invariant (verify == decodes, bit for bit)."""
+    from verispec.models.int4 import PackedInt4Linear
+    m = int4_head8_target.model
+    assert int4_head8_target.weights is WeightFormat.INT4_HEAD8
+    assert isinstance(m.lm_head, PackedInt8Linear) and isinstance(m.layers[0].mlp.w_down, PackedInt4Linear)
+    assert m.embed.weight is m.lm_head.weight
+    _, _, deq = quantize_int8(m.embed.weight)
+    assert torch.equal(deq, m.embed.weight)
+    verify, decode = verify_and_decode_logits(m, head_prompts[0])
+    assert torch.equal(verify, decode)
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "eagle", "num_speculative_tokens": 2},
+    {"method": "draft_model", "model": "self", "self_draft_layers": 4, "num_speculative_tokens": 2,
+     "draft_vocab": "smollm2-135m-eagle3/draft_vocab.safetensors"},
+], ids=["ngram", "eagle1-reads-the-int8-head", "self-draft-cut-int8-head"])
+def test_greedy_on_int4_head8_equals_its_vanilla(int4_head8_target, head_prompts, spec):
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    batch = [{"prompt_token_ids": p} for p in head_prompts[:2]]
+    alone = LLM(loaded=int4_head8_target, max_num_seqs=1).generate(batch, greedy)
+    want = LLM(loaded=int4_head8_target, max_num_seqs=2).generate(batch, greedy)
+    got = LLM(loaded=int4_head8_target, max_num_seqs=2, speculative_config=spec).generate(batch, greedy)
+    assert [o.token_ids for o in want] == [o.token_ids for o in alone]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics.num_drafts for o in got) > 0
+
+
+def test_int4_head8_without_the_attention_op_refuses_speculation(int4_head8_target, monkeypatch):
+    from verispec.models import attention
+    attention.kernel()
+    monkeypatch.setattr(attention._OP, "_module", None)
+    monkeypatch.setattr(attention._OP, "_reason", "test")
+    with pytest.raises(ValueError, match="int4-head8.*row-invariant attention"):
+        LLM(loaded=int4_head8_target, speculative_config={"method": "ngram"})

@@ -85,7 +85,8 @@ def add_device_argument(parser, default: str = "cpu") -> None:
 WEIGHTS_HELP = ("matmul weights on the CPU: dense (as loaded), fp16 (FBGEMM fp16-packed, fp32 activations: "
                 "faster, not bit-equal to fp32), int4 (int4 weight-only decoder layers with bf16 activations, "
                 "fp16-packed LM head: fewest bytes; a GGUF's 4-bit blocks are kept as they are), int4-all "
-                "(int4 in the LM head too: fewer bytes again, at a quality cost) or int8 (int8 weights x "
+                "(int4 in the LM head too: fewer bytes again, at a quality cost), int4-head8 (an int8 W8A8 LM head: "
+                "half the fp16 head's bytes, a smaller quality cost than int4-all's) or int8 (int8 weights x "
                 "per-token int8 activations in the decoder layers: a faster one-token decode than fp16)")
 
 

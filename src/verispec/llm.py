@@ -120,15 +120,15 @@ class LLM:
             from .models.compiled import CompiledForward
             self.compiled = CompiledForward.shared(self.target.model)
         self.spec = SpeculativeConfig.from_dict(speculative_config)
-        if self.spec is not None and self.target.weights is WeightFormat.INT8:
+        if self.spec is not None and self.target.weights.int8_activations:
             from .models import attention
             if not attention.row_invariant(self.target.model.cfg):
                 raise ValueError(
-                    "weights='int8' speculates only with the row-invariant attention op, unavailable here "
+                    f"weights={self.target.weights.value!r} speculates only with the row-invariant attention op, unavailable here "
                     f"({attention.unavailable_reason() or 'head size not a multiple of 16 up to 256'}): "
                     "per-token int8 activations turn SDPA's last-bit differences between a one-token decode "
                     "and a verify forward into logit differences of up to ~2, so speculation would not "
-                    "reproduce int8 vanilla decoding; speculate on weights='fp16' (or 'int4', 'dense')")
+                    "reproduce its vanilla decoding; speculate on weights='fp16' (or 'int4', 'dense')")
         if self.compiled is not None and self.spec is not None:
             self.compiled.speculative = True
             if isinstance(self.spec, DraftModelConfig) and self.spec.draft_compile is None:

@@ -254,10 +254,14 @@ def with_vocab_head(model: Transformer, vocab: DraftVocab) -> Transformer:
 
 def _packed_like(head: PackedLinear, small: nn.Linear) -> PackedLinear:
     """``small`` packed as ``head`` is: int4 (an ``int4-all`` draft; the rows already sit on the
-    int4 grid, so their codes are kept) where the row count allows, fp16 otherwise."""
+    int4 grid, so their codes are kept) where the row count allows, int8 (``int4-head8``: each
+    row's codes and scale are found again), fp16 otherwise."""
     from ..models.int4 import PackedInt4Linear
+    from ..models.int8 import PackedInt8Linear
     if isinstance(head, PackedInt4Linear) and small.out_features % 16 == 0:
         return PackedInt4Linear(small)
+    if isinstance(head, PackedInt8Linear):
+        return PackedInt8Linear(small)
     return PackedFP16Linear(small)
 
 

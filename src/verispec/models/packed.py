@@ -50,12 +50,26 @@ class WeightFormat(str, enum.Enum):
     (``int8``), the LM head fp16-packed in both; ``int4-all``: int4 in the LM head too (its rows,
     which a tied embedding and tied draft heads read, become the dequantised int4 values: about
     a third of a 1.5B model's bytes per token less, at a quality cost measured in
-    ``benchmarks/results/weights_quality_*.md``)."""
+    ``benchmarks/results/weights_quality_*.md``); ``int4-head8``: int4 decoder layers and the LM
+    head in int8 W8A8 (its rows become the dequantised int8 values: half the fp16 head's bytes,
+    at a smaller quality cost than int4's)."""
     DENSE = "dense"
     FP16 = "fp16"
     INT4 = "int4"
     INT8 = "int8"
     INT4_ALL = "int4-all"
+    INT4_HEAD8 = "int4-head8"
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether some matmul quantises its activations to int8 per token (W8A8): a forward then
+        reproduces a decode's logits in a verify only with the row-invariant attention op."""
+        return self in (WeightFormat.INT8, WeightFormat.INT4_HEAD8)
+
+    @property
+    def int4_layers(self) -> bool:
+        """Whether the decoder layers are int4 weight-only."""
+        return self in (WeightFormat.INT4, WeightFormat.INT4_ALL, WeightFormat.INT4_HEAD8)
 
     @classmethod
     def parse(cls, value: "str | WeightFormat") -> "WeightFormat":
@@ -326,7 +340,7 @@ def follows_packed_target(target, module: nn.Module) -> bool:
 def shared_reader(weight: torch.Tensor, owner: nn.Module) -> PackedLinear:
     """The target's packed module ``owner`` as the reader of ``weight`` (a head that reads tokens
     through the target's LM head): it is already rounded and packed (fp16, or int4 with
-    ``int4-all``), so nothing is packed twice. Raises unless ``owner`` is packed over the very
+    ``int4-all``, int8 with ``int4-head8``), so nothing is packed twice. Raises unless ``owner`` is packed over the very
     storage of ``weight``."""
     kept = isinstance(owner, PackedLinear) and owner.__dict__.get("_compact") is None
     if not (kept and owner.weight.shape == weight.shape and owner.weight.data_ptr() == weight.data_ptr()):
