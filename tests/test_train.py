@@ -158,6 +158,35 @@ def test_short_training_lowers_loss_and_raises_acc0(tmp_path, single_thread):
     assert (tmp_path / "checkpoint" / "model.safetensors").exists()
 
 
+def test_head_init_takes_what_it_says_from_the_target(single_thread):
+    """``HeadInit``: random copies nothing; target the LM-head rows and the final norm; target-layer
+    also the last decoder layer (q/k/v on the hidden-state half of the input, o, MLP, norms)."""
+    target = tiny_target()
+    with torch.no_grad():                                    # norms of 1 would not tell a copy from the init
+        for n in (target.norm, target.layers[-1].attn_norm, target.layers[-1].mlp_norm):
+            n.weight.uniform_(0.5, 1.5)
+    data = tiny_examples(8)
+    heads = {init: tiny_task(target, data, init=init).module.head for init in ("random", "target", "target-layer")}
+    rows = target.lm_head.weight[heads["target"].d2t + torch.arange(heads["target"].d2t.numel())]
+    last, h = target.layers[-1], target.cfg.hidden_size
+    assert not torch.equal(heads["random"].lm_head.weight, rows)
+    assert not torch.equal(heads["random"].norm.weight, target.norm.weight)
+    for init in ("target", "target-layer"):
+        assert torch.equal(heads[init].lm_head.weight, rows)
+        assert torch.equal(heads[init].norm.weight, target.norm.weight)
+    layer = heads["target-layer"]
+    assert torch.equal(layer.attn.wq.weight[:, h:], last.attn.wq.weight)
+    assert torch.equal(layer.attn.wk.weight[:, h:], last.attn.wk.weight)
+    assert torch.equal(layer.attn.wo.weight, last.attn.wo.weight)
+    assert torch.equal(layer.mlp.w_down.weight, last.mlp.w_down.weight)
+    assert torch.equal(layer.hidden_norm.weight, last.attn_norm.weight)
+    assert torch.equal(layer.post_attention_layernorm.weight, last.mlp_norm.weight)
+    assert torch.equal(layer.attn.wq.weight[:, :h], heads["target"].attn.wq.weight[:, :h])   # embedding half: seeded random
+    assert not torch.equal(heads["target"].attn.wo.weight, last.attn.wo.weight)
+    with pytest.raises(ValueError):
+        tiny_task(target, data, init="layers")
+
+
 @pytest.mark.parametrize("eagle31,dtype", [(True, "fp32"), (False, "bf16")])
 def test_eagle31_switches_and_bf16_train_and_reload(tmp_path, single_thread, eagle31, dtype):
     data = tiny_examples(16)

@@ -37,9 +37,9 @@ def tiny_examples(n: int, length: int = 20, seed: int = 0) -> list[TokenizedExam
 
 
 def tiny_task(target: Transformer, examples, draft_vocab: int = 32, ttt_length: int = 3, seed: int = 0,
-              eagle31: bool = False):
+              eagle31: bool = False, init: str = "target"):
     counts = token_counts(((e.input_ids, e.loss_mask) for e in examples), VOCAB)
     vocab = build_draft_vocab(counts, draft_vocab)
     cfg = new_head_config(target.cfg, vocab.size, fc_norm=eagle31, norm_output=eagle31)
-    head = init_eagle3_head(cfg, target, vocab, seed=seed)
+    head = init_eagle3_head(cfg, target, vocab, seed=seed, init=init)
     return Eagle3Task(target, head, ttt_length=ttt_length)

@@ -56,6 +56,8 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     from ..train.vocab import build_draft_vocab, token_counts
     if args.eval_only and not args.init_from:
         raise SystemExit("--eval-only needs --init-from (the head to evaluate)")
+    if args.init_from and args.head_init:
+        raise SystemExit("--head-init starts a new head; --init-from warm-starts an existing one: give one")
     if args.threads:
         torch.set_num_threads(args.threads)
     prep = prepare_data(args.model, args.data, max_length=args.max_length,
@@ -73,7 +75,7 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
             vocab = build_draft_vocab(counts, min(args.draft_vocab_size, target.cfg.vocab_size), always=eos)
         cfg = new_head_config(target.cfg, vocab.size, tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
                               fc_norm=args.eagle31, norm_output=args.eagle31)
-        head = init_eagle3_head(cfg, target, vocab, seed=args.seed)
+        head = init_eagle3_head(cfg, target, vocab, seed=args.seed, init=args.head_init or "target")
     if is_rank0():                      # every rank has the same vocabulary (same data or same head)
         vocab_path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(vocab, vocab_path)
@@ -134,6 +136,10 @@ def add_parser(sub) -> None:
     e3.add_argument("--draft-vocab-size", type=int, default=16384)
     e3.add_argument("--aux-layer-ids", type=int, nargs=3, help="vLLM ids (k = output of layer k-1)")
     e3.add_argument("--eagle31", action="store_true", help="EAGLE-3.1: fc_norm + norm_output")
+    e3.add_argument("--head-init", choices=["random", "target", "target-layer"], default=None,
+                    help="a new head's start: random; target (LM-head rows and final norm from the "
+                         "target, the default); target-layer (also its decoder layer from the target's last); "
+                         "not with --init-from")
     e3.add_argument("--init-from", help="warm start: an EAGLE-3 head folder (its draft vocabulary and "
                     "config are kept; a new optimizer and schedule start from step 0)")
     e3.add_argument("--eval-only", action="store_true",

@@ -16,6 +16,8 @@ i where the head's argmax equals the target's.
 """
 from __future__ import annotations
 
+import enum
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,20 +60,54 @@ def new_head_config(target_cfg, draft_vocab_size: int, aux_layer_ids: tuple[int,
         fc_norm=fc_norm, norm_output=norm_output)
 
 
-def init_eagle3_head(cfg: EagleHeadConfig, target, vocab: DraftVocab, seed: int = 0) -> Eagle3Head:
-    """Random init, then a warm start from the target: ``lm_head`` = the target's lm_head rows of
-    the draft vocabulary, ``norm`` = the target's final norm; ``d2t``/``t2d`` from ``vocab``."""
+class HeadInit(str, enum.Enum):
+    """How a new EAGLE-3 head starts (``--head-init``; compared in ``benchmarks/results/head_init.md``):
+    ``random`` every weight ~ N(0, 0.02), norms 1; ``target`` (default) the LM head = the target's
+    LM-head rows of the draft vocabulary and ``norm`` = its final norm; ``target-layer`` also the
+    decoder layer from the target's last one (its o-projection, MLP and norms, and its q/k/v
+    weights on the hidden-state half of the 2h-wide input; the token-embedding half and ``fc``
+    stay random)."""
+    RANDOM = "random"
+    TARGET = "target"
+    TARGET_LAYER = "target-layer"
+
+
+def init_eagle3_head(cfg: EagleHeadConfig, target, vocab: DraftVocab, seed: int = 0,
+                     init: HeadInit | str = HeadInit.TARGET) -> Eagle3Head:
+    """A new head: random weights (seeded), then what ``init`` takes from the target (``HeadInit``);
+    ``d2t``/``t2d`` from ``vocab``."""
+    init = HeadInit(init)
     if vocab.t2d.numel() != target.cfg.vocab_size or vocab.size != cfg.draft_vocab_size:
         raise ValueError(f"draft vocab maps {vocab.size}/{vocab.t2d.numel()} do not fit the head "
                          f"({cfg.draft_vocab_size} of {target.cfg.vocab_size})")
     head = Eagle3Head(cfg, target.embed.weight.detach().float())
     init_head_weights(head, seed)
     with torch.no_grad():
-        head.lm_head.weight.copy_(target.lm_head.weight.detach()[vocab.draft_ids].float())
-        head.norm.weight.copy_(target.norm.weight.detach().float())
+        if init is not HeadInit.RANDOM:
+            head.lm_head.weight.copy_(target.lm_head.weight.detach()[vocab.draft_ids].float())
+            head.norm.weight.copy_(target.norm.weight.detach().float())
+        if init is HeadInit.TARGET_LAYER:
+            _copy_last_layer(head, target.layers[-1])
         head.d2t.copy_(vocab.d2t)
         head.t2d.copy_(vocab.t2d)
     return head
+
+
+def _copy_last_layer(head: Eagle3Head, layer) -> None:
+    """The target decoder layer's weights where the head's layer has their shape (see ``HeadInit``)."""
+    h = head.cfg.hidden_size
+    copy = lambda dst, src: dst.copy_(src.detach().float())        # noqa: E731
+    for mine, theirs in ((head.attn.wq, layer.attn.wq), (head.attn.wk, layer.attn.wk), (head.attn.wv, layer.attn.wv)):
+        copy(mine.weight[:, h:], theirs.weight)                      # input = [embedding, hidden state]
+        if mine.bias is not None and theirs.bias is not None:
+            copy(mine.bias, theirs.bias)
+    copy(head.attn.wo.weight, layer.attn.wo.weight)
+    for mine, theirs in ((head.mlp.w_gate, layer.mlp.w_gate), (head.mlp.w_up, layer.mlp.w_up),
+                         (head.mlp.w_down, layer.mlp.w_down)):
+        copy(mine.weight, theirs.weight)
+    for norm in (head.input_layernorm, head.hidden_norm):
+        copy(norm.weight, layer.attn_norm.weight)
+    copy(head.post_attention_layernorm.weight, layer.mlp_norm.weight)
 
 
 def ttt_attention(attn, x: torch.Tensor, cos, sin, past: list[tuple[torch.Tensor, torch.Tensor]]):

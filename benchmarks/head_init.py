@@ -1,0 +1,71 @@
+"""The EAGLE-3 training ablation of #22 item 4: new heads trained from scratch for the same wall
+time, compared by on-policy held-out acc@0..k. Reads finished `verispec train eagle3` run folders
+(their ``log.jsonl`` and ``train_meta.json``) and writes the table; the runs themselves are the
+long job (commands in the table).
+
+    python benchmarks/head_init.py --run target=/work/runs/abl/target --run random=/work/runs/abl/random ...
+
+Each arm's wall time is the trainer's own ``elapsed_s`` at its last step; arms run in pairs on
+one thread each, so two arms of a pair share the machine the same way. Writes
+benchmarks/results/head_init.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_line  # noqa: E402
+
+
+def read_run(folder: Path) -> dict:
+    """Final held-out eval, steps and wall time of one finished run folder."""
+    logs = [json.loads(x) for x in (folder / "log.jsonl").read_text().splitlines() if x.strip()]
+    finals = [x for x in logs if x.get("final") and "eval" in x]
+    if not finals:
+        raise SystemExit(f"{folder}: no final evaluation in log.jsonl (the run has not finished)")
+    timed = [x for x in logs if "elapsed_s" in x]
+    meta = json.loads((folder / "train_meta.json").read_text())
+    ev = finals[-1]["eval"]
+    return {"steps": finals[-1]["step"], "wall_s": timed[-1]["elapsed_s"] if timed else None,
+            "loss": ev["loss"], "acc": [ev[f"acc{i}"] for i in range(16) if f"acc{i}" in ev],
+            "command": meta.get("command", ""), "extra": meta.get("extra", {})}
+
+
+def write_md(res: dict, path: Path) -> None:
+    depth = max(len(r["acc"]) for r in res["arms"].values())
+    head = "| arm | steps | wall min | held-out loss | " + " | ".join(f"acc@{i}" for i in range(depth)) + " |"
+    lines = ["# EAGLE-3 head training ablation: initialisation and TTT length (same wall time)", "",
+             f"Machine: {res['machine']}. {res['note']}", "", head,
+             "|" + "---|" * (4 + depth)]
+    for name, r in res["arms"].items():
+        accs = [f"{a:.3f}" for a in r["acc"]] + ["–"] * (depth - len(r["acc"]))
+        wall = f"{r['wall_s'] / 60:.1f}" if r["wall_s"] is not None else "–"
+        lines.append(f"| {name} | {r['steps']} | {wall} | {r['loss']:.2f} | " + " | ".join(accs) + " |")
+    lines += ["", "Commands:", ""] + [f"- {name}: `{r['command']}`" for name, r in res["arms"].items()] + [""]
+    path.write_text("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", action="append", required=True, help="name=folder of a finished run")
+    ap.add_argument("--note", default="", help="how the arms ran (pairs, threads, load)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "head_init"))
+    args = ap.parse_args()
+    arms = {}
+    for spec in args.run:
+        name, _, folder = spec.partition("=")
+        if not folder:
+            raise SystemExit(f"--run takes name=folder, got {spec!r}")
+        arms[name] = read_run(Path(folder))
+    res = {"machine": machine_line(with_isa=True), "note": args.note, "arms": arms}
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    write_md(res, out.with_suffix(".md"))
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
