@@ -12,9 +12,10 @@ T = 2-16. torch's kernel also rounds its output to bf16; ours keeps fp32.
 Contract:
 - ``quantize_int4(w, group)``: asymmetric 4-bit codes per group of ``group`` input columns, with a
   scale and zero point per (row, group) stored in bf16. The dequantised weight is
-  ``(q - 8) * scale + zero``. A group whose values already sit on a 16-level grid (a GGUF Q4_0 /
-  Q4_1 / Q4_K block of 32) keeps its codes: the GGUF's own 4-bit weights are used, moved only by
-  the bf16 rounding of the zero point (at most 2^-9 of it), not quantised a second time.
+  ``(q - 8) * scale + zero``. A group whose values already sit on a grid of at most 16 levels (a
+  GGUF Q4_0 / Q4_1 / Q4_K block of 32, including Q4_K blocks whose fitted scale leaves the end
+  codes unused) keeps its codes: the GGUF's own 4-bit weights are used, moved only by the bf16
+  rounding of the scale and zero point (at most 2^-9 of each), not quantised a second time.
 - ``PackedInt4Linear``: ``y = bf16(x) @ W.T + b``, W the dequantised weight, fp32 sums. The
   ``nn.Linear``'s weight is overwritten *in place* with W (every reader of ``.weight`` sees the
   numbers the kernel uses: the model simply *is* the int4-weight model). Every input, prefill
@@ -82,12 +83,35 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
         raise ValueError(f"int4 weights need the input size ({k}) to be a multiple of {group}")
     g = w.detach().float().reshape(n, k // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-10).bfloat16().float()
+    scale = ((hi - lo) / _grid_steps(g, lo, hi)).clamp(min=1e-10).bfloat16().float()
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
     zero = (lo + 8 * scale).bfloat16().float()       # the kernel's zero point: the value of code 8
     deq = ((q - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
     sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16()
     return q.to(torch.int32).reshape(n, k), sz, deq
+
+
+def _grid_steps(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tol: float = 1e-3) -> torch.Tensor:
+    """Per group of ``g [N, G, group]``, the number of grid steps between its min ``lo`` and max
+    ``hi``: the largest m in 8..15 for which every value sits on ``lo + i (hi - lo) / m`` (within
+    ``tol`` of a step), else 15. A 4-bit block whose codes do not reach both 0 and 15 (GGUF Q4_K's
+    fitted scales and mins often leave the end codes unused) spans m < 15 steps of its own grid;
+    min/max rescaling to 15 steps would move every value. Its grid, or one twice as fine (every
+    m >= 1 has a multiple in 8..15), keeps each value where the file put it."""
+    steps = torch.full_like(lo, 15.0)
+    span = (hi - lo)[..., None]
+    srt = g.sort(-1).values
+    todo = (srt[..., 1:] != srt[..., :-1]).sum(-1) < 16      # at most 16 distinct values: a candidate
+    for m in range(15, 7, -1):
+        idx = todo.nonzero(as_tuple=True)
+        if idx[0].numel() == 0:
+            break
+        r = (g[idx] - lo[idx][:, None]) * (m / span[idx].clamp(min=1e-30))
+        fits = ((r - torch.round(r)).abs() <= tol).all(-1) & (span[idx][:, 0] > 0)
+        hit = tuple(i[fits] for i in idx)
+        steps[hit] = float(m)
+        todo[hit] = False
+    return steps
 
 
 class PackedInt4Linear(PackedLinear):
