@@ -20,18 +20,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_line  # noqa: E402
 
 
-def read_run(folder: Path) -> dict:
-    """Final held-out eval, steps and wall time of one finished run folder."""
+def read_run(folder: Path, step: int | None = None) -> dict:
+    """Held-out eval (the final one, or the one at ``step``), steps and wall time of a finished run
+    folder; the wall time is the trainer's ``elapsed_s`` at the last logged step up to it."""
     logs = [json.loads(x) for x in (folder / "log.jsonl").read_text().splitlines() if x.strip()]
-    finals = [x for x in logs if x.get("final") and "eval" in x]
-    if not finals:
-        raise SystemExit(f"{folder}: no final evaluation in log.jsonl (the run has not finished)")
-    timed = [x for x in logs if "elapsed_s" in x]
+    evals = [x for x in logs if "eval" in x and (x.get("final") if step is None else x["step"] == step)]
+    if not evals:
+        raise SystemExit(f"{folder}: no {'final ' if step is None else f'step-{step} '}evaluation in log.jsonl")
+    at = evals[-1]["step"]
+    timed = [x for x in logs if "elapsed_s" in x and x["step"] <= at]
     meta = json.loads((folder / "train_meta.json").read_text())
-    ev = finals[-1]["eval"]
-    return {"steps": finals[-1]["step"], "wall_s": timed[-1]["elapsed_s"] if timed else None,
+    ev = evals[-1]["eval"]
+    return {"steps": at, "wall_s": timed[-1]["elapsed_s"] if timed else None,
             "loss": ev["loss"], "acc": [ev[f"acc{i}"] for i in range(16) if f"acc{i}" in ev],
-            "command": meta.get("command", ""), "extra": meta.get("extra", {})}
+            "command": meta.get("command", "")}
 
 
 def write_md(res: dict, path: Path) -> None:
@@ -50,7 +52,8 @@ def write_md(res: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--run", action="append", required=True, help="name=folder of a finished run")
+    ap.add_argument("--run", action="append", required=True,
+                    help="name=folder of a finished run (name=folder@STEP: its evaluation at STEP)")
     ap.add_argument("--note", default="", help="how the arms ran (pairs, threads, load)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "head_init"))
     args = ap.parse_args()
@@ -59,7 +62,8 @@ def main() -> None:
         name, _, folder = spec.partition("=")
         if not folder:
             raise SystemExit(f"--run takes name=folder, got {spec!r}")
-        arms[name] = read_run(Path(folder))
+        folder, _, step = folder.partition("@")
+        arms[name] = read_run(Path(folder), int(step) if step else None)
     res = {"machine": machine_line(with_isa=True), "note": args.note, "arms": arms}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
