@@ -8,7 +8,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # conftest sets PASSIVE (two pytest workers share the 2 cores). The threaded fp16 kernel and the int4
 # kernel hand work to the second thread ~120 times a token: a sleeping thread costs ~50 us to wake.
 
-.PHONY: setup demo test test-slow bench-llamacpp bench-llamacpp-qwen bench-weights llamacpp bench-vanilla bench-spec-core bench-heads qwen draft-vocab-qwen clean sharegpt regen train-eagle3 train-medusa ship-heads
+.PHONY: setup demo test test-slow bench-llamacpp bench-llamacpp-qwen bench-weights bench-weights-qwen llamacpp bench-vanilla bench-spec-core bench-heads qwen draft-vocab-qwen clean sharegpt regen train-eagle3 train-medusa ship-heads
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -118,10 +118,18 @@ bench-llamacpp-qwen: $(VENV)/.llamacpp qwen
 	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \
 	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
 	  --name exact-int4-all-qwen --out benchmarks/results/spec_bench/exact_int4_all_qwen
+	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4-head8 --threads 2 --per-category 1 --max-tokens 128 \
+	  --compile --methods vanilla,ngram-x1,draft-v64k-k3,llamacpp \
+	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \
+	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
+	  --name exact-int4-head8-qwen --out benchmarks/results/spec_bench/exact_int4_head8_qwen
 
 # The quality cost of each weights option against fp32 (perplexity, greedy agreement).
-bench-weights: sharegpt
-	$(BIN)/python benchmarks/weights_quality.py --model smollm2-135m --weights fp16,int4,int4-all,int8
+bench-weights: sharegpt $(VENV)/.llamacpp
+	$(BIN)/python benchmarks/weights_quality.py --model smollm2-135m --weights fp16,int4,int4-all,int4-head8,int8,llamacpp
+bench-weights-qwen: sharegpt qwen $(VENV)/.llamacpp
+	$(BIN)/python benchmarks/weights_quality.py --model qwen2.5-coder-1.5b --weights fp16,int4,int4-head8,int4-all,int8,llamacpp \
+	  --conversations 16 --per-category 1
 
 bench-heads: $(STAMP)
 	$(BIN)/python benchmarks/trained_heads.py

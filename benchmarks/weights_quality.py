@@ -9,6 +9,9 @@ time in this process:
   cache in chunks of ``--chunk`` tokens (below ``DENSE_MIN_ROWS``), so the decode/verify kernels
   are what is measured, not the prefill path. Also the share of positions whose argmax equals the
   fp32 model's (teacher forced).
+- ``llamacpp``: llama.cpp (llama-cpp-python, ``make llamacpp``) on the model's own GGUF, as a
+  peer: its perplexity from the logits of each whole example, and its greedy outputs (EOS ends a
+  row), against the same fp32 reference.
 - **Greedy agreement**: Spec-Bench first turns, ``--per-category`` per category, chat template,
   ``--max-tokens`` new tokens (EOS ends a row): the share of prompts whose output equals the fp32
   output, and the mean length of the common prefix as a share of the fp32 output.
@@ -70,6 +73,39 @@ def perplexity(model, examples, chunk: int, ref_argmax: list | None):
             "argmax_agreement": agree / count if ref_argmax is not None else 1.0}, argmaxes
 
 
+def llamacpp_quality(model: str, examples, prompts, max_tokens: int, threads: int, ref_argmax) -> tuple[dict, list]:
+    """The same two measures for llama.cpp on the model's own GGUF (``llamacpp``: the peer of
+    ``benchmarks/decode_speed.py``, its quantised weights as the file holds them): perplexity from
+    its logits over each whole example, and its greedy outputs."""
+    import numpy as np
+    from verispec.bench.llamacpp import _llama_cpp, gguf_path
+    llm = _llama_cpp().Llama(model_path=str(gguf_path(model)), n_threads=threads, n_threads_batch=threads,
+                             n_ctx=max(len(e.input_ids) for e in examples) + max(map(len, prompts)) + max_tokens + 8,
+                             logits_all=True, verbose=False)
+    nll, count, agree = 0.0, 0, 0
+    for i, ex in enumerate(examples):
+        llm.reset()
+        llm.eval(list(ex.input_ids))
+        logits = torch.from_numpy(np.array(llm.scores[:len(ex.input_ids) - 1], dtype=np.float32))
+        target = torch.tensor(ex.input_ids[1:])
+        mask = torch.tensor(ex.loss_mask[1:], dtype=torch.bool)
+        nll -= float(torch.log_softmax(logits, -1).gather(1, target[:, None])[:, 0][mask].sum())
+        count += int(mask.sum())
+        agree += int((logits.argmax(-1)[mask] == ref_argmax[i]).sum())
+    eos = {llm.token_eos()}
+    outs = []
+    for p in prompts:
+        llm.reset()
+        out = []
+        for tok in llm.generate(list(p), temp=0.0, top_k=1, reset=True):
+            if int(tok) in eos or len(out) >= max_tokens:
+                break
+            out.append(int(tok))
+        outs.append(out)
+    return {"perplexity": math.exp(nll / count), "tokens": count, "argmax_agreement": agree / count,
+            "version": _llama_cpp().__version__}, outs
+
+
 def greedy_outputs(loaded, prompts, max_tokens: int) -> list[list[int]]:
     from verispec import LLM, SamplingParams
     llm = LLM(loaded=loaded, max_num_seqs=len(prompts))
@@ -95,6 +131,11 @@ def run(args) -> dict:
     ref_argmax = ref_out = examples = prompts = None
     for weights in ["dense"] + [w for w in args.weights.split(",") if w != "dense"]:
         t0 = time.perf_counter()
+        if weights == "llamacpp":
+            ppl, outs = llamacpp_quality(args.model, examples, prompts, args.max_tokens, args.threads, ref_argmax)
+            res["options"][weights] = dict(ppl, **agreement(outs, ref_out), seconds=time.perf_counter() - t0)
+            print(weights, res["options"][weights], flush=True)
+            continue
         loaded = load_model(args.model, weights=weights)
         if examples is None:
             tok = loaded.tokenizer
@@ -130,6 +171,10 @@ def write_md(res: dict, path: str) -> None:
     for w, o in res["options"].items():
         lines.append(f"| {w} | {o['perplexity']:.3f} | {o['perplexity'] / base - 1:+.2%} | {o['argmax_agreement']:.2%} | "
                      f"{o['identical_share']:.0%} of {o['prompts']} | {o['mean_common_prefix']:.0%} |")
+    if "llamacpp" in res["options"]:
+        lines += ["", f"`llamacpp`: llama.cpp {res['options']['llamacpp'].get('version', '')} on the same GGUF file "
+                  "(its own quantised weights and kernels), perplexity from its logits over each whole "
+                  "example, greedy outputs from its generate; the peer verispec is measured against."]
     lines += ["", f"Command: `python benchmarks/weights_quality.py --model {res['model']} --weights {s['weights']}`", ""]
     Path(path).write_text("\n".join(lines))
 
