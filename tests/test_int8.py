@@ -131,25 +131,33 @@ def test_greedy_speculation_on_int8_equals_its_vanilla(int8_target, head_prompts
     """With the row-invariant attention a verify forward computes each token exactly as a decode
     does (tests/test_attention.py), so speculation on int8 weights reproduces int8 vanilla token for
     token; batched rows equal each prompt alone."""
-    greedy = SamplingParams(temperature=0, max_tokens=32)
-    batch = [{"prompt_token_ids": p} for p in head_prompts]
-    alone = LLM(loaded=int8_target, max_num_seqs=1).generate(batch, greedy)
-    want = LLM(loaded=int8_target, max_num_seqs=4).generate(batch, greedy)
-    got = LLM(loaded=int8_target, max_num_seqs=4, speculative_config=spec).generate(batch, greedy)
+    assert_speculation_equals_vanilla(int8_target, head_prompts, spec, 32)
+
+
+def assert_speculation_equals_vanilla(target, prompts, spec, max_tokens: int) -> None:
+    """Greedy speculation on ``target`` gives its vanilla tokens, and a vanilla batch equals each
+    prompt alone."""
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    alone = LLM(loaded=target, max_num_seqs=1).generate(batch, greedy)
+    want = LLM(loaded=target, max_num_seqs=len(batch)).generate(batch, greedy)
+    got = LLM(loaded=target, max_num_seqs=len(batch), speculative_config=spec).generate(batch, greedy)
     assert [o.token_ids for o in want] == [o.token_ids for o in alone]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(o.metrics.num_drafts for o in got) > 0
 
 
-def test_without_the_attention_op_speculation_is_refused(int8_target, monkeypatch):
+@pytest.mark.parametrize("weights", ["int8", "int4-head8"])
+def test_without_the_attention_op_speculation_is_refused(weights, request, monkeypatch):
     """SDPA's last-bit differences between a decode and a verify move per-token int8 codes (logits
-    by up to ~2): without the op an LLM refuses to speculate on int8 weights."""
+    by up to ~2): without the op an LLM refuses to speculate on any weights with int8 activations."""
     from verispec.models import attention
+    target = request.getfixturevalue({"int8": "int8_target", "int4-head8": "int4_head8_target"}[weights])
     attention.kernel()
     monkeypatch.setattr(attention._OP, "_module", None)
     monkeypatch.setattr(attention._OP, "_reason", "test")
-    with pytest.raises(ValueError, match="row-invariant attention"):
-        LLM(loaded=int8_target, speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match=f"{weights}.*row-invariant attention"):
+        LLM(loaded=target, speculative_config={"method": "ngram"})
 
 
 def test_int8_vanilla_is_repeatable_and_follows_the_model(int8_target, head_prompts):
@@ -198,20 +206,4 @@ def test_int4_head8_packs_the_tied_head_in_int8(int4_head8_target, head_prompts,
      "draft_vocab": "smollm2-135m-eagle3/draft_vocab.safetensors"},
 ], ids=["ngram", "eagle1-reads-the-int8-head", "self-draft-cut-int8-head"])
 def test_greedy_on_int4_head8_equals_its_vanilla(int4_head8_target, head_prompts, spec):
-    greedy = SamplingParams(temperature=0, max_tokens=24)
-    batch = [{"prompt_token_ids": p} for p in head_prompts[:2]]
-    alone = LLM(loaded=int4_head8_target, max_num_seqs=1).generate(batch, greedy)
-    want = LLM(loaded=int4_head8_target, max_num_seqs=2).generate(batch, greedy)
-    got = LLM(loaded=int4_head8_target, max_num_seqs=2, speculative_config=spec).generate(batch, greedy)
-    assert [o.token_ids for o in want] == [o.token_ids for o in alone]
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert sum(o.metrics.num_drafts for o in got) > 0
-
-
-def test_int4_head8_without_the_attention_op_refuses_speculation(int4_head8_target, monkeypatch):
-    from verispec.models import attention
-    attention.kernel()
-    monkeypatch.setattr(attention._OP, "_module", None)
-    monkeypatch.setattr(attention._OP, "_reason", "test")
-    with pytest.raises(ValueError, match="int4-head8.*row-invariant attention"):
-        LLM(loaded=int4_head8_target, speculative_config={"method": "ngram"})
+    assert_speculation_equals_vanilla(int4_head8_target, head_prompts[:2], spec, 24)
