@@ -52,7 +52,7 @@ class WeightFormat(str, enum.Enum):
     a third of a 1.5B model's bytes per token less, at a quality cost measured in
     ``benchmarks/results/weights_quality_*.md``); ``int4-head8``: int4 decoder layers and the LM
     head in int8 W8A8 (its rows become the dequantised int8 values: half the fp16 head's bytes,
-    at a smaller quality cost than int4's)."""
+    at a smaller quality cost than int4-all's)."""
     DENSE = "dense"
     FP16 = "fp16"
     INT4 = "int4"
