@@ -17,7 +17,6 @@ i where the head's argmax equals the target's.
 from __future__ import annotations
 
 import enum
-
 from dataclasses import dataclass
 from pathlib import Path
 
