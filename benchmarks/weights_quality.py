@@ -56,10 +56,12 @@ def chunked_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def perplexity(model, examples, chunk: int, ref_argmax: list | None):
+def perplexity(logits_of, examples, ref_argmax: list | None):
+    """Perplexity on the examples' loss-masked tokens and argmax agreement with ``ref_argmax``
+    (per example, the reference's argmax at those positions); ``logits_of(ids) -> [T, V]``."""
     nll, count, agree, argmaxes = 0.0, 0, 0, []
     for i, ex in enumerate(examples):
-        logits = chunked_logits(model, list(ex.input_ids), chunk)[:-1].float()
+        logits = logits_of(list(ex.input_ids))[:-1].float()
         target = torch.tensor(ex.input_ids[1:])
         mask = torch.tensor(ex.loss_mask[1:], dtype=torch.bool)
         lp = torch.log_softmax(logits, -1).gather(1, target[:, None])[:, 0]
@@ -73,37 +75,32 @@ def perplexity(model, examples, chunk: int, ref_argmax: list | None):
             "argmax_agreement": agree / count if ref_argmax is not None else 1.0}, argmaxes
 
 
-def llamacpp_quality(model: str, examples, prompts, max_tokens: int, threads: int, ref_argmax) -> tuple[dict, list]:
-    """The same two measures for llama.cpp on the model's own GGUF (``llamacpp``: the peer of
-    ``benchmarks/decode_speed.py``, its quantised weights as the file holds them): perplexity from
-    its logits over each whole example, and its greedy outputs."""
+def llamacpp_quality(model: str, examples, prompts, max_tokens: int, threads: int, ref_argmax,
+                     eos: tuple[int, ...], tokenizer) -> tuple[dict, list]:
+    """The same two measures for llama.cpp on the model's own GGUF (``llamacpp``: its quantised
+    weights as the file holds them): perplexity from its logits over each whole example, and its
+    greedy outputs from the benchmarks' llama.cpp peer (``bench.llamacpp.LlamaCppRunner``,
+    stopping at ``eos``)."""
     import numpy as np
-    from verispec.bench.llamacpp import _llama_cpp, gguf_path
-    llm = _llama_cpp().Llama(model_path=str(gguf_path(model)), n_threads=threads, n_threads_batch=threads,
-                             n_ctx=max(len(e.input_ids) for e in examples) + max(map(len, prompts)) + max_tokens + 8,
-                             logits_all=True, verbose=False)
-    nll, count, agree = 0.0, 0, 0
-    for i, ex in enumerate(examples):
+    from verispec import SamplingParams
+    from verispec.bench.llamacpp import LlamaCppRunner, _llama_cpp, gguf_path
+    path = gguf_path(model)
+    llm = _llama_cpp().Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads,
+                             n_ctx=max(len(e.input_ids) for e in examples) + 8, logits_all=True, verbose=False)
+
+    def logits_of(ids: list[int]) -> torch.Tensor:
         llm.reset()
-        llm.eval(list(ex.input_ids))
-        logits = torch.from_numpy(np.array(llm.scores[:len(ex.input_ids) - 1], dtype=np.float32))
-        target = torch.tensor(ex.input_ids[1:])
-        mask = torch.tensor(ex.loss_mask[1:], dtype=torch.bool)
-        nll -= float(torch.log_softmax(logits, -1).gather(1, target[:, None])[:, 0][mask].sum())
-        count += int(mask.sum())
-        agree += int((logits.argmax(-1)[mask] == ref_argmax[i]).sum())
-    eos = {llm.token_eos()}
-    outs = []
-    for p in prompts:
-        llm.reset()
-        out = []
-        for tok in llm.generate(list(p), temp=0.0, top_k=1, reset=True):
-            if int(tok) in eos or len(out) >= max_tokens:
-                break
-            out.append(int(tok))
-        outs.append(out)
-    return {"perplexity": math.exp(nll / count), "tokens": count, "argmax_agreement": agree / count,
-            "version": _llama_cpp().__version__}, outs
+        llm.eval(ids)
+        return torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
+    res, _ = perplexity(logits_of, examples, ref_argmax)
+    del llm
+    runner = LlamaCppRunner("llamacpp", path, eos, tokenizer)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+        outs = [runner.generate([p], greedy).token_ids[0] for p in prompts]
+    finally:
+        runner.close()
+    return dict(res, version=runner.version), outs
 
 
 def greedy_outputs(loaded, prompts, max_tokens: int) -> list[list[int]]:
@@ -128,11 +125,12 @@ def run(args) -> dict:
     from verispec.models.loading import load_model
     torch.set_num_threads(args.threads)
     res = {"machine": machine_info(), "model": args.model, "options": {}, "settings": vars(args).copy()}
-    ref_argmax = ref_out = examples = prompts = None
+    ref_argmax = ref_out = examples = prompts = tok = eos = None
     for weights in ["dense"] + [w for w in args.weights.split(",") if w != "dense"]:
         t0 = time.perf_counter()
         if weights == "llamacpp":
-            ppl, outs = llamacpp_quality(args.model, examples, prompts, args.max_tokens, args.threads, ref_argmax)
+            ppl, outs = llamacpp_quality(args.model, examples, prompts, args.max_tokens, args.threads, ref_argmax,
+                                         eos, tok)
             res["options"][weights] = dict(ppl, **agreement(outs, ref_out), seconds=time.perf_counter() - t0)
             print(weights, res["options"][weights], flush=True)
             continue
@@ -144,10 +142,10 @@ def run(args) -> dict:
             prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
                                                    add_generation_prompt=True), add_special_tokens=False).input_ids
                        for q in qs]
-        ppl, argmaxes = perplexity(loaded.model, examples, args.chunk, ref_argmax)
+        ppl, argmaxes = perplexity(lambda ids: chunked_logits(loaded.model, ids, args.chunk), examples, ref_argmax)
         outs = greedy_outputs(loaded, prompts, args.max_tokens)
         if weights == "dense":
-            ref_argmax, ref_out = argmaxes, outs
+            ref_argmax, ref_out, eos = argmaxes, outs, tuple(loaded.config.eos_token_ids)
         res["options"][weights] = dict(ppl, **agreement(outs, ref_out), seconds=time.perf_counter() - t0)
         print(weights, res["options"][weights], flush=True)
         del loaded

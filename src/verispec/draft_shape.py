@@ -430,7 +430,8 @@ def step_costs(target, head_folder: str | Path, kind: str, req: ShapeRequest,
 def choose_shape(target, head_folder: str | Path, kind: str, req: ShapeRequest,
                  hidden_layers: tuple[int, ...] = (), forward=None, costs: StepCosts | None = None) -> ShapeChoice:
     """The best tree for this head on this machine's step costs (``costs``; default ``step_costs``)."""
-    costs = costs or step_costs(target, head_folder, kind, req, hidden_layers, forward)
+    if costs is None:
+        costs = step_costs(target, head_folder, kind, req, hidden_layers, forward)
     shape = best_tree(req.profile, costs, max_nodes=req.max_nodes, max_depth=req.max_depth,
                       max_width=req.max_width)
     if not shape.pays:
