@@ -19,6 +19,9 @@ Kernels timed, in turns within each repetition (fastest repetition reported):
 - ``int4-weight-only``: ``aten._weight_int4pack_mm_for_cpu`` (groups of 32, bf16 activations);
 - ``int4-verispec``: verispec's ``PackedInt4Linear`` (``csrc/int4_gemm.cpp``: the same codes,
   bf16 activations, AVX-512 BF16 pair dot products or AVX2, fp32 sums; row-invariant);
+- ``int4-a8-verispec``: the same op's W4A8 path (the same codes, each token's activations
+  quantised to int8 per group of 32 columns, exact int32 dot products with AVX-512 VNNI or AVX2,
+  as llama.cpp's Q4 x Q8 kernels; row-invariant);
 - ``bf16``: dense bf16 weights and activations (oneDNN; native on CPUs with avx512_bf16).
 
     python benchmarks/weight_kernels.py [--model smollm2-135m|qwen1.5b|both] [--reps 5]
@@ -85,14 +88,14 @@ def int8_w8a8(w):
     return PackedInt8Linear(lin)
 
 
-def int4_verispec(w):
+def int4_verispec(w, int8_activations: bool = False):
     """verispec's own int4 op (``models.int4``); raises where it cannot be built."""
     from verispec.models.int4 import PackedInt4Linear, kernel
     if kernel() is None:
         raise RuntimeError("verispec's int4 kernel is unavailable here")
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight.data.copy_(w)
-    return PackedInt4Linear(lin, keep_weight=False)
+    return PackedInt4Linear(lin, keep_weight=False, int8_activations=int8_activations)
 
 
 class Int8Rowwise(torch.nn.Module):
@@ -135,7 +138,7 @@ class Int4WeightOnly(torch.nn.Module):
 
 KERNELS = {"fp32": Fp32, "fp16-packed": fp16_packed, "int8-w8a8": int8_w8a8, "int8-dynamic": int8_dynamic,
            "int8-rowwise": Int8Rowwise, "int8-weight-only": Int8WeightOnly, "int4-weight-only": Int4WeightOnly,
-           "int4-verispec": int4_verispec, "bf16": Bf16}
+           "int4-verispec": int4_verispec, "int4-a8-verispec": lambda w: int4_verispec(w, True), "bf16": Bf16}
 
 
 def measure(shapes, reps: int) -> dict:

@@ -132,3 +132,26 @@ def verify_and_decode_logits(model, prompt: list[int]) -> tuple[torch.Tensor, to
             decode.append(model(ids[:, i:i + 1], torch.tensor([[i]]), cache, kv_len=64).logits[0, 0])
             cache.advance([0], 1)
     return verify, torch.stack(decode)
+
+
+def assert_speculation_equals_vanilla(target, prompts, spec, max_tokens: int) -> None:
+    """Greedy speculation on ``target`` gives its vanilla tokens, and a vanilla batch equals each
+    prompt alone."""
+    from verispec import LLM, SamplingParams
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    alone = LLM(loaded=target, max_num_seqs=1).generate(batch, greedy)
+    want = LLM(loaded=target, max_num_seqs=len(batch)).generate(batch, greedy)
+    got = LLM(loaded=target, max_num_seqs=len(batch), speculative_config=spec).generate(batch, greedy)
+    assert [o.token_ids for o in want] == [o.token_ids for o in alone]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics.num_drafts for o in got) > 0
+
+
+def int8_group_quantised(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """``x`` as W4A8 multiplies it (fp64): per group of ``group`` columns,
+    round(x * 127 / max|x|) * max|x| / 127, codes clamped to +-127."""
+    g = x.double().reshape(*x.shape[:-1], -1, group)
+    amax = g.abs().amax(-1, keepdim=True)
+    q = torch.round(g * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).clamp(-127, 127)
+    return (q * amax / 127).reshape(x.shape)

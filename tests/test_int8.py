@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import assert_cpu_fp32_only, assert_packed_twin, verify_and_decode_logits
+from helpers import assert_cpu_fp32_only, assert_packed_twin, assert_speculation_equals_vanilla, verify_and_decode_logits
 from verispec import LLM, SamplingParams
 from verispec.models import int8
 from verispec.models.int8 import PackedInt8Linear, int8_available, quantize_int8
@@ -134,25 +134,18 @@ def test_greedy_speculation_on_int8_equals_its_vanilla(int8_target, head_prompts
     assert_speculation_equals_vanilla(int8_target, head_prompts, spec, 32)
 
 
-def assert_speculation_equals_vanilla(target, prompts, spec, max_tokens: int) -> None:
-    """Greedy speculation on ``target`` gives its vanilla tokens, and a vanilla batch equals each
-    prompt alone."""
-    greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
-    batch = [{"prompt_token_ids": p} for p in prompts]
-    alone = LLM(loaded=target, max_num_seqs=1).generate(batch, greedy)
-    want = LLM(loaded=target, max_num_seqs=len(batch)).generate(batch, greedy)
-    got = LLM(loaded=target, max_num_seqs=len(batch), speculative_config=spec).generate(batch, greedy)
-    assert [o.token_ids for o in want] == [o.token_ids for o in alone]
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert sum(o.metrics.num_drafts for o in got) > 0
-
-
-@pytest.mark.parametrize("weights", ["int8", "int4-head8"])
+@pytest.mark.parametrize("weights", ["int8", "int4-head8", "int4-a8"])
 def test_without_the_attention_op_speculation_is_refused(weights, request, monkeypatch):
     """SDPA's last-bit differences between a decode and a verify move per-token int8 codes (logits
     by up to ~2): without the op an LLM refuses to speculate on any weights with int8 activations."""
     from verispec.models import attention
-    target = request.getfixturevalue({"int8": "int8_target", "int4-head8": "int4_head8_target"}[weights])
+    if weights == "int4-a8":
+        from verispec.models.int4 import kernel
+        if kernel() is None:
+            pytest.skip("int4-a8 needs verispec's int4 kernel")
+        target = load_model("smollm2-135m", dtype="float32", weights=weights)
+    else:
+        target = request.getfixturevalue({"int8": "int8_target", "int4-head8": "int4_head8_target"}[weights])
     attention.kernel()
     monkeypatch.setattr(attention._OP, "_module", None)
     monkeypatch.setattr(attention._OP, "_reason", "test")

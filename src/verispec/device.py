@@ -86,7 +86,9 @@ WEIGHTS_HELP = ("matmul weights on the CPU: dense (as loaded), fp16 (FBGEMM fp16
                 "faster, not bit-equal to fp32), int4 (int4 weight-only decoder layers with bf16 activations, "
                 "fp16-packed LM head: fewest bytes; a GGUF's 4-bit blocks are kept as they are), int4-all "
                 "(int4 in the LM head too: fewer bytes again, at a quality cost), int4-head8 (an int8 W8A8 LM head: "
-                "half the fp16 head's bytes, a smaller quality cost than int4-all's) or int8 (int8 weights x "
+                "half the fp16 head's bytes, a smaller quality cost than int4-all's), int4-a8 (int4-head8 with the "
+                "decoder layers' activations in int8 per group of 32, as llama.cpp's Q4 x Q8: the fastest on "
+                "AVX-512 VNNI) or int8 (int8 weights x "
                 "per-token int8 activations in the decoder layers: a faster one-token decode than fp16)")
 
 

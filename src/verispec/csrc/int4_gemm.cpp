@@ -1,6 +1,6 @@
 // int4 weight-only linear: 4-bit codes in groups of 32 input columns with a bf16 scale and zero
 // point per (output channel, group), activations rounded to bf16, fp32 sums and fp32 output, over
-// all of ATen's threads.
+// all of ATen's threads; linear_a8 (int4_a8.h) multiplies the same codes by int8 activations.
 //
 // Why: torch's int4pack kernel (aten._weight_int4pack_mm_for_cpu) grows with the token count T
 // about as fast as a compute-bound GEMM, so a verify over a few draft tokens costs several
@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -282,104 +283,169 @@ void block_avx2(const Args& a, int64_t nb, int64_t i0) {
   }
 }
 
-using BlockFn = void (*)(const Args&, int64_t, int64_t);
+#include "int4_a8.h"      // linear_a8's row preparation and kernels
 
 // Blocks per pass and the most rows a pass of that width holds in registers (AVX-512: 2 R B
-// accumulators + 2 B code vectors + the table, of 32; AVX2: one block of two halves, 2 rows).
-int blocks_per_pass(int64_t rows, int64_t blocks_left) {
-  if (detect() == Isa::Avx2) return 1;
+// accumulators + 2 B code vectors + a constant, of 32; AVX2: one block of two halves, 2 rows).
+int blocks_per_pass(bool avx2, int64_t rows, int64_t blocks_left) {
+  if (avx2) return 1;
   if (blocks_left >= 4 && rows <= 1) return 4;
   if (blocks_left >= 2 && rows <= 4) return 2;
   return 1;
 }
 
-int max_rows(int blocks) {
-  if (detect() == Isa::Avx2) return 2;
+int max_rows(bool avx2, int blocks) {
+  if (avx2) return 2;
   return blocks == 4 ? 2 : blocks == 2 ? 4 : kRows;
 }
 
-BlockFn kernel_for(int blocks, int rows) {
-  if (detect() == Isa::Avx2) return rows == 2 ? block_avx2<2> : block_avx2<1>;
-  static const BlockFn four[2] = {block_bf16<1, 4>, block_bf16<2, 4>};
-  static const BlockFn two[4] = {block_bf16<1, 2>, block_bf16<2, 2>, block_bf16<3, 2>, block_bf16<4, 2>};
-  static const BlockFn one[kRows] = {block_bf16<1, 1>, block_bf16<2, 1>, block_bf16<3, 1>,
-                                     block_bf16<4, 1>, block_bf16<5, 1>, block_bf16<6, 1>,
-                                     block_bf16<7, 1>, block_bf16<8, 1>};
-  return blocks == 4 ? four[rows - 1] : blocks == 2 ? two[rows - 1] : one[rows - 1];
-}
+// The kernel for a pass of `blocks` blocks x `rows` rows, from the AVX-512 variants <R, B> and the
+// AVX2 ones <R> of one recipe.
+template <class A, template <int, int> class Wide, template <int> class Narrow>
+struct Kernels {
+  using Fn = void (*)(const A&, int64_t, int64_t);
+  static Fn pick(bool avx2, int blocks, int rows) {
+    if (avx2) return rows == 2 ? Narrow<2>::fn : Narrow<1>::fn;
+    static const Fn four[2] = {Wide<1, 4>::fn, Wide<2, 4>::fn};
+    static const Fn two[4] = {Wide<1, 2>::fn, Wide<2, 2>::fn, Wide<3, 2>::fn, Wide<4, 2>::fn};
+    static const Fn one[kRows] = {Wide<1, 1>::fn, Wide<2, 1>::fn, Wide<3, 1>::fn, Wide<4, 1>::fn,
+                                  Wide<5, 1>::fn, Wide<6, 1>::fn, Wide<7, 1>::fn, Wide<8, 1>::fn};
+    return blocks == 4 ? four[rows - 1] : blocks == 2 ? two[rows - 1] : one[rows - 1];
+  }
+};
+
+template <int R, int B> struct Bf16 { static constexpr auto fn = block_bf16<R, B>; };
+template <int R> struct Avx2 { static constexpr auto fn = block_avx2<R>; };
+template <int R, int B> struct Vnni { static constexpr auto fn = block_vnni<R, B>; };
+template <int R> struct Avx2A8 { static constexpr auto fn = block_avx2_a8<R>; };
 
 // Blocks [nb_begin, nb_end), a few at a time: the first row pass reads them from memory, later
 // passes from cache.
-void run_blocks(const Args& a, int64_t nb_begin, int64_t nb_end) {
+template <class K, class A>
+void run_blocks(const A& a, bool avx2, int64_t nb_begin, int64_t nb_end) {
   for (int64_t nb = nb_begin; nb < nb_end;) {
-    const int blocks = blocks_per_pass(a.rows, nb_end - nb);
-    const int most = max_rows(blocks);
+    const int blocks = blocks_per_pass(avx2, a.rows, nb_end - nb);
+    const int most = max_rows(avx2, blocks);
     for (int64_t i0 = 0; i0 < a.rows;) {
       const int r = static_cast<int>(std::min<int64_t>(a.rows - i0, most));
-      kernel_for(blocks, r)(a, nb, i0);
+      K::pick(avx2, blocks, r)(a, nb, i0);
       i0 += r;
     }
     nb += blocks;
   }
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta,
-                  const c10::optional<at::Tensor>& bias, int64_t max_threads) {
-  TORCH_CHECK(detect() != Isa::None, "int4 linear: this CPU has neither AVX2 nor AVX-512");
+// A packed weight's meta and buffer, checked.
+struct Packed {
+  int64_t k, n, groups, nblocks;
+  const uint8_t* w;
+  const float* bias;
+};
+
+Packed unpack(const at::Tensor& buf, const at::Tensor& meta, const c10::optional<at::Tensor>& bias,
+              const char* op) {
   TORCH_CHECK(meta.numel() == 4 && meta.scalar_type() == at::kLong && meta.device().is_cpu(),
-              "int4 linear: meta must be int64 [K, N, groups, offset]");
+              op, ": meta must be int64 [K, N, groups, offset]");
   const int64_t* m = meta.data_ptr<int64_t>();
   const int64_t k = m[0], n = m[1], groups = m[2], offset = m[3];
   const int64_t nblocks = n / kLanes;
   TORCH_CHECK(buf.scalar_type() == at::kByte && buf.numel() >= offset + nblocks * groups * kGroupBytes,
-              "int4 linear: packed buffer too small for its meta");
+              op, ": packed buffer too small for its meta");
   const uint8_t* wbase = buf.data_ptr<uint8_t>() + offset;
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(wbase) % kAlign == 0,
-              "int4 linear: packed buffer lost its alignment (was it copied?)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(wbase) % kAlign == 0, op,
+              ": packed buffer lost its alignment (was it copied?)");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "int4 linear: bias must be contiguous float32 [", n, "]");
+                op, ": bias must be contiguous float32 [", n, "]");
   }
-  const verispec::LinearIO io = verispec::linear_io(x, k, n, "int4 linear");
-  at::Tensor out = io.out;
-  const int64_t rows = io.rows;
-  if (rows == 0) return out;
-  auto x2 = at::empty({rows * k / 2}, at::kInt);
-  auto xsum = at::empty({rows, groups}, at::kFloat);
-  prepare_rows(io.x.data_ptr<float>(), rows, k, reinterpret_cast<uint32_t*>(x2.data_ptr<int32_t>()),
-               xsum.data_ptr<float>());
-  Args a{reinterpret_cast<const uint32_t*>(x2.data_ptr<int32_t>()), xsum.data_ptr<float>(), wbase,
-         has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), rows, n, k, groups};
+  return {k, n, groups, nblocks, wbase, has_bias ? bias->data_ptr<float>() : nullptr};
+}
+
+// Output channels split over up to max_threads of ATen's threads, in blocks.
+template <class K, class A>
+void run_parallel(const A& a, bool avx2, int64_t nblocks, int64_t max_threads) {
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>({max_threads, at::get_num_threads(), nblocks}));
   if (threads == 1 || at::in_parallel_region()) {
-    run_blocks(a, 0, nblocks);
+    run_blocks<K>(a, avx2, 0, nblocks);
   } else {
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        run_blocks(a, nblocks * t / threads, nblocks * (t + 1) / threads);
+        run_blocks<K>(a, avx2, nblocks * t / threads, nblocks * (t + 1) / threads);
       }
     });
   }
-  return out;
 }
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta,
+                  const c10::optional<at::Tensor>& bias, int64_t max_threads) {
+  TORCH_CHECK(detect() != Isa::None, "int4 linear: this CPU has neither AVX2 nor AVX-512");
+  const Packed p = unpack(buf, meta, bias, "int4 linear");
+  const verispec::LinearIO io = verispec::linear_io(x, p.k, p.n, "int4 linear");
+  if (io.rows == 0) return io.out;
+  auto x2 = at::empty({io.rows * p.k / 2}, at::kInt);
+  auto xsum = at::empty({io.rows, p.groups}, at::kFloat);
+  prepare_rows(io.x.data_ptr<float>(), io.rows, p.k, reinterpret_cast<uint32_t*>(x2.data_ptr<int32_t>()),
+               xsum.data_ptr<float>());
+  Args a{reinterpret_cast<const uint32_t*>(x2.data_ptr<int32_t>()), xsum.data_ptr<float>(), p.w, p.bias,
+         io.out.data_ptr<float>(), io.rows, p.n, p.k, p.groups};
+  run_parallel<Kernels<Args, Bf16, Avx2>>(a, detect() == Isa::Avx2, p.nblocks, max_threads);
+  return io.out;
+}
+
+bool a8_avx2() {
+  static const bool avx2 = [] {
+    __builtin_cpu_init();
+    return verispec::avx2_forced("VERISPEC_INT4_ISA") || !__builtin_cpu_supports("avx512f") ||
+           !__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vnni");
+  }();
+  return avx2;
+}
+
+at::Tensor linear_a8(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta,
+                     const c10::optional<at::Tensor>& bias, int64_t max_threads) {
+  TORCH_CHECK(verispec::has_avx2_fma(), "int4 linear_a8: this CPU has neither AVX2 nor AVX-512");
+  const Packed p = unpack(buf, meta, bias, "int4 linear_a8");
+  const verispec::LinearIO io = verispec::linear_io(x, p.k, p.n, "int4 linear_a8");
+  if (io.rows == 0) return io.out;
+  auto xq = at::empty({io.rows * p.k}, at::kChar);
+  auto xd = at::empty({io.rows, p.groups}, at::kFloat);
+  auto xsum = at::empty({io.rows, p.groups}, at::kFloat);
+  prepare_rows_a8(io.x.data_ptr<float>(), io.rows, p.k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                  xsum.data_ptr<float>());
+  ArgsA8 a{reinterpret_cast<const uint32_t*>(xq.data_ptr<int8_t>()), xd.data_ptr<float>(), xsum.data_ptr<float>(),
+           p.w, p.bias, io.out.data_ptr<float>(), io.rows, p.n, p.k, p.groups};
+  run_parallel<Kernels<ArgsA8, Vnni, Avx2A8>>(a, a8_avx2(), p.nblocks, max_threads);
+  return io.out;
+}
+
+std::string isa_a8_name() { return a8_avx2() ? "avx2" : "avx512_vnni"; }
 
 }  // namespace
 
 TORCH_LIBRARY(verispec_int4, m) {
   m.def("linear(Tensor x, Tensor buf, Tensor meta, Tensor? bias, int max_threads, int out_features) -> Tensor");
+  m.def("linear_a8(Tensor x, Tensor buf, Tensor meta, Tensor? bias, int max_threads, int out_features) -> Tensor");
 }
 
-// Through torch's dispatcher (torch.ops.verispec_int4.linear): what a compiled graph calls.
+// Through torch's dispatcher (torch.ops.verispec_int4.linear / linear_a8): what a compiled graph calls.
 TORCH_LIBRARY_IMPL(verispec_int4, CPU, m) {
   m.impl("linear", [](const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta,
                       const c10::optional<at::Tensor>& bias, int64_t max_threads, int64_t out_features) {
     return verispec::with_out_features(linear(x, buf, meta, bias, max_threads), out_features, "int4 linear");
   });
+  m.impl("linear_a8", [](const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta,
+                         const c10::optional<at::Tensor>& bias, int64_t max_threads, int64_t out_features) {
+    return verispec::with_out_features(linear_a8(x, buf, meta, bias, max_threads), out_features,
+                                       "int4 linear_a8");
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("pack", &pack, "pack int4 codes (out, in) with bf16 scale and zero [out, in/32]: (buffer, meta)");
-  mod.def("linear", &linear, "x @ W.T (+ bias), fp32 activations, over up to max_threads threads");
-  mod.def("isa", &isa_name, "the path this CPU runs: avx512, avx2 or none");
+  mod.def("linear", &linear, "x @ W.T (+ bias), fp32 activations rounded to bf16, over up to max_threads threads");
+  mod.def("linear_a8", &linear_a8,
+          "x @ W.T (+ bias), fp32 activations quantised to int8 per group of 32, over up to max_threads threads");
+  mod.def("isa", &isa_name, "the path linear runs on this CPU: avx512_bf16, avx2 or none");
+  mod.def("isa_a8", &isa_a8_name, "the path linear_a8 runs on this CPU: avx512_vnni or avx2");
 }

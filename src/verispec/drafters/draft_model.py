@@ -259,7 +259,7 @@ def _packed_like(head: PackedLinear, small: nn.Linear) -> PackedLinear:
     from ..models.int4 import PackedInt4Linear
     from ..models.int8 import PackedInt8Linear
     if isinstance(head, PackedInt4Linear) and small.out_features % 16 == 0:
-        return PackedInt4Linear(small)
+        return PackedInt4Linear(small, int8_activations=head.int8_activations)
     if isinstance(head, PackedInt8Linear):
         return PackedInt8Linear(small)
     return PackedFP16Linear(small)

@@ -23,6 +23,11 @@ Contract:
   on T or on the thread count (bit-identical; ``tests/test_int4.py``), so with the row-invariant
   attention (``models.attention``) a verify forward computes, per token, what a decode computes:
   speculation on an int4 target reproduces its vanilla decoding exactly.
+- ``PackedInt4Linear(..., int8_activations=True)`` (W4A8, ``weights="int4-a8"``): the same
+  codes times each row's activations quantised to int8 per group of 32 columns (symmetric,
+  max|x| / 127, round to nearest even), exact int32 dot products (AVX-512 VNNI, or AVX2 with the
+  same bits), fp32 epilogue: ``y = q8(x) @ W.T + b``. Row-invariant as above; faster where the
+  bf16 dot products bound the kernel (verify, prefill); our kernel only.
 - ``VERISPEC_INT4_KERNEL=torch`` uses torch's kernel instead (bf16 output; not row-invariant in
   its last bits across T). ``VERISPEC_INT4_ISA=avx2`` runs our AVX2 path on an AVX-512 machine.
 - CPU only, fp32 models, inference only. The fp32 weight is kept for readers, so memory grows by
@@ -43,9 +48,10 @@ GROUP = 32          # input columns per scale/zero pair: the finest the kernel t
 
 
 def _register_fake() -> None:
-    @torch.library.register_fake("verispec_int4::linear")
-    def _(x, buf, meta, bias, max_threads, out_features):
-        return x.new_empty((*x.shape[:-1], out_features))
+    for name in ("verispec_int4::linear", "verispec_int4::linear_a8"):
+        @torch.library.register_fake(name)
+        def _(x, buf, meta, bias, max_threads, out_features):
+            return x.new_empty((*x.shape[:-1], out_features))
 
 
 _OP = native.NativeOp(
@@ -117,8 +123,13 @@ def _grid_steps(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tol: float 
 class PackedInt4Linear(PackedLinear):
     """``y = x @ W.T + b`` with ``W`` as packed int4 codes (see the module docstring)."""
 
-    def __init__(self, linear: nn.Linear, group: int = GROUP, keep_weight: bool = True):
+    def __init__(self, linear: nn.Linear, group: int = GROUP, keep_weight: bool = True,
+                 int8_activations: bool = False):
         super().__init__()
+        if int8_activations and (group != GROUP or kernel() is None):
+            raise RuntimeError("int4 weights with int8 activations need verispec's int4 kernel with groups of "
+                               f"{GROUP} ({unavailable_reason() or f'group {group}'})")
+        self.int8_activations = int8_activations
         if linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
             raise ValueError("int4 packing needs fp32 weights on the CPU "
                              f"(got {linear.weight.dtype} on {linear.weight.device})")
@@ -136,7 +147,7 @@ class PackedInt4Linear(PackedLinear):
             self._buf, self._meta = ext.pack(codes8, scale.contiguous(), zero.contiguous())
             self._bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
             self._max_threads = max_threads(codes.numel())
-            self._linear = ext.linear                    # the pybind entry: the cheapest eager call
+            self._linear = ext.linear_a8 if int8_activations else ext.linear   # pybind: the cheapest eager call
         else:
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
 
@@ -155,8 +166,8 @@ class PackedInt4Linear(PackedLinear):
         if self.backend == "verispec":
             x = x.contiguous()
             if torch.compiler.is_compiling():
-                return torch.ops.verispec_int4.linear(x, self._buf, self._meta, self._bias, self._max_threads,
-                                                      self.out_features)
+                op = torch.ops.verispec_int4.linear_a8 if self.int8_activations else torch.ops.verispec_int4.linear
+                return op(x, self._buf, self._meta, self._bias, self._max_threads, self.out_features)
             return self._linear(x, self._buf, self._meta, self._bias, self._max_threads)
         flat = x.reshape(-1, self.in_features).bfloat16()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._packed, self.group, self._sz).float()
@@ -165,16 +176,18 @@ class PackedInt4Linear(PackedLinear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        acts = ", int8 activations" if self.int8_activations else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int4 packed (group {self.group}, {self.backend} kernel)")
+                f"int4 packed (group {self.group}{acts}, {self.backend} kernel)")
 
 
-def pack_int4_(model: nn.Module, names: tuple[str, ...], group: int = GROUP, keep_weight: bool = True) -> int:
+def pack_int4_(model: nn.Module, names: tuple[str, ...], group: int = GROUP, keep_weight: bool = True,
+               int8_activations: bool = False) -> int:
     """Replace the ``nn.Linear`` submodules at dotted ``names`` by ``PackedInt4Linear``
-    (``keep_weight``: see ``packed.PackedLinear``); returns how many were packed. Raises where the
-    kernel is unavailable."""
+    (``keep_weight``: see ``packed.PackedLinear``; ``int8_activations``: W4A8); returns how many
+    were packed. Raises where the kernel is unavailable."""
     if not int4_available():
         raise RuntimeError("int4 weight packing needs a PyTorch CPU build with the int4pack kernel (AVX2 or better)")
     from .packed import replace_linears_
     return replace_linears_(model, names, PackedInt4Linear,
-                            lambda lin: PackedInt4Linear(lin, group, keep_weight))
+                            lambda lin: PackedInt4Linear(lin, group, keep_weight, int8_activations))

@@ -80,14 +80,19 @@ def check_weights(weights: str | WeightFormat, dtype: str | torch.dtype,
         return weights
     what = {WeightFormat.FP16: "FBGEMM fp16 packing", WeightFormat.INT4: "int4 weight-only packing",
             WeightFormat.INT4_ALL: "int4 weight-only packing", WeightFormat.INT8: "int8 W8A8 packing",
-            WeightFormat.INT4_HEAD8: "int4 weight-only packing with an int8 W8A8 LM head"}[weights]
+            WeightFormat.INT4_HEAD8: "int4 weight-only packing with an int8 W8A8 LM head",
+            WeightFormat.INT4_A8: "int4 W4A8 packing with an int8 W8A8 LM head"}[weights]
     kind = device_type(device)
     if kind != "cpu":
         raise ValueError(f"weights={weights.value!r} ({what}) runs on the CPU only, not on {kind!r}; "
                          "on CUDA use dtype bfloat16 or float16 with weights='dense' (the fast path there)")
     if parse_dtype(dtype) != torch.float32:
         raise ValueError(f"weights={weights.value!r} packs fp32 models (activations stay fp32); use dtype float32")
-    if weights.int4_layers:
+    if weights is WeightFormat.INT4_A8:
+        from .int4 import kernel, unavailable_reason as int4_reason
+        if kernel() is None:
+            raise ValueError(f"weights={weights.value!r} needs verispec's int4 kernel: {int4_reason()}")
+    elif weights.int4_layers:
         from .int4 import int4_available
         if not int4_available():
             raise ValueError(f"weights={weights.value!r} needs verispec's int4 kernel or PyTorch's CPU int4pack "
@@ -142,6 +147,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32",
     ``weights="fp16"``: fp16-packed matmul weights for CPU inference (``packed``; fp32 only);
     ``weights="int4"``: int4 weight-only decoder layers, fp16-packed LM head (``int4``);
     ``weights="int4-all"``: int4 in the LM head too; ``weights="int4-head8"``: an int8 W8A8 LM head;
+    ``weights="int4-a8"``: that head, and int8 activations per group of 32 in the decoder layers;
     ``weights="int8"``: int8 weights x per-token int8 activations in the decoder layers (``int8``).
     ``device``: where the weights live (``device.resolve_device``: cpu, auto, cuda, cuda:N...)."""
     weights = check_weights(weights, dtype, device)
@@ -155,7 +161,9 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32",
     if weights is WeightFormat.FP16:
         net.pack_fp16_()
     elif weights.int4_layers:
-        net.pack_int4_(head={WeightFormat.INT4_ALL: "int4", WeightFormat.INT4_HEAD8: "int8"}.get(weights, "fp16"))
+        net.pack_int4_(head={WeightFormat.INT4_ALL: "int4", WeightFormat.INT4_HEAD8: "int8",
+                             WeightFormat.INT4_A8: "int8"}.get(weights, "fp16"),
+                       int8_activations=weights is WeightFormat.INT4_A8)
     elif weights is WeightFormat.INT8:
         net.pack_int8_()
     tok = load_tokenizer(src.path, src.format) if with_tokenizer else None

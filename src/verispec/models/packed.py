@@ -52,24 +52,27 @@ class WeightFormat(str, enum.Enum):
     a third of a 1.5B model's bytes per token less, at a quality cost measured in
     ``benchmarks/results/weights_quality_*.md``); ``int4-head8``: int4 decoder layers and the LM
     head in int8 W8A8 (its rows become the dequantised int8 values: half the fp16 head's bytes,
-    at a smaller quality cost than int4-all's)."""
+    at a smaller quality cost than int4-all's); ``int4-a8``: as ``int4-head8``, with the decoder
+    layers' activations quantised to int8 per group of 32 columns (W4A8, as llama.cpp's Q4 x Q8
+    kernels: exact integer dot products, about 1.1-1.6x the weight-only kernel's speed)."""
     DENSE = "dense"
     FP16 = "fp16"
     INT4 = "int4"
     INT8 = "int8"
     INT4_ALL = "int4-all"
     INT4_HEAD8 = "int4-head8"
+    INT4_A8 = "int4-a8"
 
     @property
     def int8_activations(self) -> bool:
         """Whether some matmul quantises its activations to int8 per token (W8A8): a forward then
         reproduces a decode's logits in a verify only with the row-invariant attention op."""
-        return self in (WeightFormat.INT8, WeightFormat.INT4_HEAD8)
+        return self in (WeightFormat.INT8, WeightFormat.INT4_HEAD8, WeightFormat.INT4_A8)
 
     @property
     def int4_layers(self) -> bool:
-        """Whether the decoder layers are int4 weight-only."""
-        return self in (WeightFormat.INT4, WeightFormat.INT4_ALL, WeightFormat.INT4_HEAD8)
+        """Whether the decoder layers hold int4 weights (weight-only, or W4A8 with ``int4-a8``)."""
+        return self in (WeightFormat.INT4, WeightFormat.INT4_ALL, WeightFormat.INT4_HEAD8, WeightFormat.INT4_A8)
 
     @classmethod
     def parse(cls, value: "str | WeightFormat") -> "WeightFormat":

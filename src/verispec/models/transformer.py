@@ -323,16 +323,17 @@ class Transformer(nn.Module):
         pack_fp16_(self, self._release_unfused_(), keep_weight=False)
         return self._packed_head_()
 
-    def pack_int4_(self, head: str = "fp16") -> "Transformer":
-        """int4 weight-only matmuls in every decoder layer; the LM head ``head``: ``"fp16"``
-        fp16-packed (``int4``: its rows are what drafters read through, and 4 bits there cost the
-        most quality), ``"int4"`` (``int4-all``) or ``"int8"`` W8A8 (``int4-head8``). A packed
-        head keeps its fp32 parameter (tied to the embedding, read by drafters), which then holds
-        the dequantised values."""
+    def pack_int4_(self, head: str = "fp16", int8_activations: bool = False) -> "Transformer":
+        """int4 matmuls in every decoder layer, weight-only (bf16 activations) or, with
+        ``int8_activations``, W4A8 (``int4-a8``); the LM head ``head``: ``"fp16"`` fp16-packed
+        (``int4``: its rows are what drafters read through, and 4 bits there cost the most
+        quality), ``"int4"`` (``int4-all``) or ``"int8"`` W8A8 (``int4-head8``, ``int4-a8``). A
+        packed head keeps its fp32 parameter (tied to the embedding, read by drafters), which then
+        holds the dequantised values."""
         from .int4 import pack_int4_
         if head not in ("fp16", "int4", "int8"):
             raise ValueError(f"the LM head is packed fp16, int4 or int8, not {head!r}")
-        pack_int4_(self, self._release_unfused_(), keep_weight=False)
+        pack_int4_(self, self._release_unfused_(), keep_weight=False, int8_activations=int8_activations)
         if head == "int4":
             pack_int4_(self, ("lm_head",))
         elif head == "int8":
