@@ -104,7 +104,7 @@ bench-llamacpp: $(VENV)/.llamacpp
 	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
 	  --name exact-int8-smollm2 --out benchmarks/results/spec_bench/exact_int8_smollm2
 
-# The same two comparisons on Qwen2.5-Coder-1.5B (int4 and int4-all weights; the 0.5B draft, ngram, llama.cpp's draft mode).
+# The same two comparisons on Qwen2.5-Coder-1.5B (int4, int4-all, int4-head8 and int4-a8 weights; the 0.5B draft, ngram, llama.cpp's draft mode).
 QWEN_DRAFT = 'draft-v64k={"method":"draft_model","model":"qwen2.5-coder-0.5b","num_speculative_tokens":4,"draft_vocab":"qwen2.5-coder-draft-vocab-64k/draft_vocab.safetensors"}'
 bench-llamacpp-qwen: $(VENV)/.llamacpp qwen
 	$(BIN)/python benchmarks/decode_speed.py --model qwen2.5-coder-1.5b --per-category 1 --max-tokens 128 \
@@ -123,12 +123,17 @@ bench-llamacpp-qwen: $(VENV)/.llamacpp qwen
 	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \
 	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
 	  --name exact-int4-head8-qwen --out benchmarks/results/spec_bench/exact_int4_head8_qwen
+	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4-a8 --threads 2 --per-category 1 --max-tokens 128 \
+	  --compile --methods vanilla,ngram-x1,draft-v64k-k3,draft-v64k,llamacpp --method-config $(QWEN_DRAFT) \
+	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \
+	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
+	  --name exact-int4-a8-qwen --out benchmarks/results/spec_bench/exact_int4_a8_qwen
 
 # The quality cost of each weights option against fp32 (perplexity, greedy agreement).
 bench-weights: sharegpt $(VENV)/.llamacpp
-	$(BIN)/python benchmarks/weights_quality.py --model smollm2-135m --weights fp16,int4,int4-all,int4-head8,int8,llamacpp
+	$(BIN)/python benchmarks/weights_quality.py --model smollm2-135m --weights fp16,int4,int4-all,int4-head8,int4-a8,int8,llamacpp
 bench-weights-qwen: sharegpt qwen $(VENV)/.llamacpp
-	$(BIN)/python benchmarks/weights_quality.py --model qwen2.5-coder-1.5b --weights fp16,int4,int4-head8,int4-all,int8,llamacpp \
+	$(BIN)/python benchmarks/weights_quality.py --model qwen2.5-coder-1.5b --weights fp16,int4,int4-head8,int4-a8,int4-all,int8,llamacpp \
 	  --conversations 16 --per-category 1
 
 bench-heads: $(STAMP)

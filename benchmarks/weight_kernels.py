@@ -25,6 +25,7 @@ Kernels timed, in turns within each repetition (fastest repetition reported):
 - ``bf16``: dense bf16 weights and activations (oneDNN; native on CPUs with avx512_bf16).
 
     python benchmarks/weight_kernels.py [--model smollm2-135m|qwen1.5b|both] [--reps 5]
+        [--kernels int4-verispec,int4-a8-verispec] [--rows 1,2,4,8,64,177]
 
 Writes benchmarks/results/weight_kernels.{json,md}. The numbers are kernels only: the quality
 cost of each format is a separate table.
@@ -70,7 +71,7 @@ def fp16_packed(w):
     from verispec.models.packed import PackedFP16Linear
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight.data.copy_(w)
-    return PackedFP16Linear(lin)
+    return PackedFP16Linear(lin, keep_weight=False)
 
 
 def int8_dynamic(w):
@@ -141,14 +142,19 @@ KERNELS = {"fp32": Fp32, "fp16-packed": fp16_packed, "int8-w8a8": int8_w8a8, "in
            "int4-verispec": int4_verispec, "int4-a8-verispec": lambda w: int4_verispec(w, True), "bf16": Bf16}
 
 
-def measure(shapes, reps: int) -> dict:
+# Kernels that hold at most 2 bytes a weight once built (fp16-packed; int4 keeps its codes): timed
+# in turns even on the 1.5B model when only they are asked for.
+TURNS_ALWAYS = {"fp16-packed", "int4-verispec", "int4-a8-verispec"}
+
+
+def measure(shapes, reps: int, kernels=tuple(KERNELS), rows=ROWS) -> dict:
     """ms of all matmuls of one forward, per kernel and T (fastest of ``reps``). Models whose
     weights fit several times in memory get every kernel built at once and timed in turns within
     each repetition; bigger ones (Qwen 1.5B: 5.9 GB in fp32) one kernel at a time, from the same
     seeded weights, so that no two copies of the model have to fit together."""
     fp32_bytes = sum(n * k for n, k in shapes) * 4
-    together = fp32_bytes * 4 < 0.5 * _mem_bytes()
-    groups = [list(KERNELS)] if together else [[name] for name in KERNELS]
+    together = fp32_bytes * 4 < 0.5 * _mem_bytes() or set(kernels) <= TURNS_ALWAYS
+    groups = [list(kernels)] if together else [[name] for name in kernels]
     best, unavailable = {}, {}
     for names in groups:
         mods = {}
@@ -157,9 +163,9 @@ def measure(shapes, reps: int) -> dict:
                 mods[name] = [KERNELS[name](w) for w in _weights(shapes)]
             except Exception as e:          # a kernel this build or CPU lacks: reported, not fatal
                 unavailable[name] = f"{type(e).__name__}: {e}"[:200]
-        best |= _time(mods, shapes, reps)
+        best |= _time(mods, shapes, reps, rows)
         del mods
-    return {"ms": best, "unavailable": unavailable, "weight_mb": fp32_bytes / 2**20,
+    return {"ms": best, "unavailable": unavailable, "weight_mb": fp32_bytes / 2**20, "rows": list(rows),
             "timed": "in turns" if together else "one kernel at a time (memory)"}
 
 
@@ -173,12 +179,12 @@ def _mem_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _time(mods: dict, shapes, reps: int) -> dict:
-    best = {name: {t: float("inf") for t in ROWS} for name in mods}
-    xs = {t: {k: torch.randn(t, k) for _, k in shapes} for t in ROWS}
+def _time(mods: dict, shapes, reps: int, rows=ROWS) -> dict:
+    best = {name: {t: float("inf") for t in rows} for name in mods}
+    xs = {t: {k: torch.randn(t, k) for _, k in shapes} for t in rows}
     with torch.no_grad():
         for rep in range(reps + 1):
-            for t in ROWS:
+            for t in rows:
                 for name, ms in mods.items():
                     s = time.perf_counter()
                     for m, (_, k) in zip(ms, shapes):
@@ -195,16 +201,19 @@ def report(res: dict, machine: str, reps: int) -> str:
              f"weights of the real shapes, fastest of {reps} repetitions with the kernels timed in turns. "
              "Kernels only (no attention, norms or other ops); quality is measured separately.", ""]
     for model, r in res.items():
-        ms = r["ms"]
-        base = ms["fp16-packed"]
+        ms, rows = r["ms"], r.get("rows", list(ROWS))
+        base_name = "fp16-packed" if "fp16-packed" in ms else next(iter(ms))
+        base = ms[base_name]
         lines += [f"## {model} ({r['weight_mb']:.0f} MB of fp32 weights; kernels timed {r['timed']})", "",
-                  "| kernel | " + " | ".join(f"T={t} ms" for t in ROWS) + " | T=1 vs fp16-packed | T=4 / T=1 | T=8 / T=1 |",
-                  "|---|" + "---|" * (len(ROWS) + 3)]
+                  "| kernel | " + " | ".join(f"T={t} ms" for t in rows) + f" | T=1 vs {base_name} | " +
+                  " | ".join(f"T={t} / T=1" for t in rows[1:] if t in (4, 8, 64, 177)) + " |",
+                  "|---|" + "---|" * (len(rows) + 1 + sum(t in (4, 8, 64, 177) for t in rows[1:]))]
         for name, row in ms.items():
-            lines.append(f"| {name} | " + " | ".join(f"{row[t]:.1f}" for t in ROWS) +
-                         f" | {base[1] / row[1]:.2f}x | {row[4] / row[1]:.2f} | {row[8] / row[1]:.2f} |")
+            lines.append(f"| {name} | " + " | ".join(f"{row[t]:.1f}" for t in rows) +
+                         f" | {base[1] / row[1]:.2f}x | " +
+                         " | ".join(f"{row[t] / row[1]:.2f}" for t in rows[1:] if t in (4, 8, 64, 177)) + " |")
         for name, why in r["unavailable"].items():
-            lines.append(f"| {name} | unavailable: {why} | | | | | | |")
+            lines.append(f"| {name} | unavailable: {why} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -221,13 +230,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "results" / "weight_kernels"))
     ap.add_argument("--keep", action="store_true", help="keep the other models' rows of an earlier run")
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="which kernels (comma-separated; default all)")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="token counts T (comma-separated; 1 first)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     models = list(SHAPES) if a.model == "both" else [a.model]
     out = Path(a.out + ".json")
     res = {m: _int_keys(r) for m, r in json.loads(out.read_text())["results"].items()} if a.keep and out.exists() else {}
     for m in models:
-        res[m] = measure(SHAPES[m], a.reps)
+        kernels = a.kernels.split(",")
+        unknown = set(kernels) - set(KERNELS)
+        if unknown:
+            raise SystemExit(f"unknown kernels {sorted(unknown)}; known: {list(KERNELS)}")
+        rows = tuple(int(t) for t in a.rows.split(","))
+        if rows[0] != 1:
+            raise SystemExit("--rows must start with 1 (the ratios are to T=1)")
+        res[m] = measure(SHAPES[m], a.reps, kernels, rows)
         print(m, json.dumps({k: {t: round(v, 1) for t, v in d.items()} for k, d in res[m]["ms"].items()}), flush=True)
     from machine import machine_line          # benchmarks/ (this script's folder)
     machine = machine_line(with_isa=True)

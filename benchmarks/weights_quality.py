@@ -18,7 +18,9 @@ time in this process:
 
     python benchmarks/weights_quality.py --model smollm2-135m --weights fp16,int4
 
-Writes benchmarks/results/weights_quality_<model>.{json,md}.
+Writes benchmarks/results/weights_quality_<model>.{json,md} and the fp32 reference (argmaxes,
+greedy outputs) to ``.reference.json``; ``--merge`` keeps an earlier run's rows and reference
+(same settings) and measures only the options named.
 """
 from __future__ import annotations
 
@@ -120,13 +122,50 @@ def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:
             "prompts": len(ref)}
 
 
+MEASURE = ("conversations", "max_length", "chunk", "per_category", "max_tokens")   # settings a merge must share
+
+
+def earlier_run(args) -> tuple[dict, dict | None] | None:
+    """With ``--merge``: the earlier run's results, when it measured with the same settings, and
+    its fp32 reference (argmaxes, greedy outputs, EOS ids; ``<out>.reference.json``) where saved;
+    else None."""
+    import json
+    out, ref = Path(args.out + ".json"), Path(args.out + ".reference.json")
+    if not (args.merge and out.exists()):
+        return None
+    prior = json.loads(out.read_text())
+    if any(prior["settings"].get(k) != getattr(args, k) for k in MEASURE) or "dense" not in prior["options"]:
+        print("--merge: the earlier run measured with other settings; its rows are dropped", flush=True)
+        return None
+    return prior, (json.loads(ref.read_text()) if ref.exists() else None)
+
+
+def write_reference(args, argmaxes, outs, eos) -> None:
+    import json
+    Path(args.out + ".reference.json").write_text(json.dumps(
+        {"settings": {k: getattr(args, k) for k in MEASURE}, "argmax": [a.tolist() for a in argmaxes],
+         "outputs": outs, "eos": list(eos)}))
+
+
 def run(args) -> dict:
     from verispec.data import per_category, spec_bench_questions
     from verispec.models.loading import load_model
     torch.set_num_threads(args.threads)
     res = {"machine": machine_info(), "model": args.model, "options": {}, "settings": vars(args).copy()}
     ref_argmax = ref_out = examples = prompts = tok = eos = None
-    for weights in ["dense"] + [w for w in args.weights.split(",") if w != "dense"]:
+    wanted = [w for w in args.weights.split(",") if w not in ("dense", "llamacpp")]
+    order = ["dense"] + wanted + (["llamacpp"] if "llamacpp" in args.weights.split(",") else [])
+    earlier = earlier_run(args)
+    if earlier is not None:                     # the other options' rows, as measured
+        prior, ref = earlier
+        res["options"] = {w: o for w, o in prior["options"].items() if w not in order or w == "dense"}
+        res["merged"] = sorted(set(res["options"]) - {"dense"})
+        if ref is not None:                     # and the fp32 reference they were measured against
+            ref_argmax, ref_out, eos = [torch.tensor(a) for a in ref["argmax"]], ref["outputs"], tuple(ref["eos"])
+            order = [w for w in order if w != "dense"]
+            if order and order[0] == "llamacpp":    # the examples need a tokenizer: the cheapest load has one
+                order.insert(0, "fp16")
+    for weights in order:
         t0 = time.perf_counter()
         if weights == "llamacpp":
             ppl, outs = llamacpp_quality(args.model, examples, prompts, args.max_tokens, args.threads, ref_argmax,
@@ -146,6 +185,13 @@ def run(args) -> dict:
         outs = greedy_outputs(loaded, prompts, args.max_tokens)
         if weights == "dense":
             ref_argmax, ref_out, eos = argmaxes, outs, tuple(loaded.config.eos_token_ids)
+            write_reference(args, argmaxes, outs, eos)
+            kept = res["options"].get("dense")
+            if kept is not None and (abs(kept["perplexity"] / ppl["perplexity"] - 1) > 1e-5 or
+                                     kept["tokens"] != ppl["tokens"]):
+                print("--merge: the fp32 reference measured differently from the earlier run's; "
+                      "its rows are dropped", flush=True)
+                res["options"], res["merged"] = {}, []
         res["options"][weights] = dict(ppl, **agreement(outs, ref_out), seconds=time.perf_counter() - t0)
         print(weights, res["options"][weights], flush=True)
         del loaded
@@ -173,7 +219,11 @@ def write_md(res: dict, path: str) -> None:
         lines += ["", f"`llamacpp`: llama.cpp {res['options']['llamacpp'].get('version', '')} on the same GGUF file "
                   "(its own quantised weights and kernels), perplexity from its logits over each whole "
                   "example, greedy outputs from its generate; the peer verispec is measured against."]
-    lines += ["", f"Command: `python benchmarks/weights_quality.py --model {res['model']} --weights {s['weights']}`", ""]
+    if res.get("merged"):
+        lines += ["", f"Rows kept from the earlier run against the same fp32 reference (`--merge`): "
+                  f"{', '.join(res['merged'])}."]
+    lines += ["", f"Command: `python benchmarks/weights_quality.py --model {res['model']} --weights {s['weights']}"
+              f"{' --merge' if s.get('merge') else ''}`", ""]
     Path(path).write_text("\n".join(lines))
 
 
@@ -186,6 +236,8 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the earlier run's rows and fp32 reference (same settings); measure only --weights")
     run_per_model(ap, "weights_quality", run, write_md)
 
 

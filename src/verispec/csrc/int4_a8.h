@@ -74,68 +74,51 @@ __attribute__((noinline)) void store_a8(const ArgsA8& a, int64_t i, int64_t c0, 
   for (int l = 0; l < kLanes; ++l) o[l] = a.bias ? lanes[l] + a.bias[c0 + l] : lanes[l];
 }
 
-// R rows x B blocks of 16 channels with AVX-512 VNNI: a 64-byte chunk (8 columns of 16 channels)
+// R rows x one block of 16 channels with AVX-512 VNNI: a 64-byte chunk (8 columns of 16 channels)
 // gives two code vectors (low and high nibbles), each 4 columns a lane, for vpdpbusd.
-template <int R, int B>
+template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void block_vnni(const ArgsA8& a, int64_t nb, int64_t i0) {
   const __m512i low = _mm512_set1_epi8(0x0f);
   const __m512 eight = _mm512_set1_ps(8.f);
-  __m512 acc[R][B];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
-  const int64_t bstride = a.groups * kGroupBytes;
-  const uint8_t* wb = a.w + nb * bstride;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* wb = a.w + nb * a.groups * kGroupBytes;
   const int64_t quarter_k = a.k / 4;
   for (int64_t g = 0; g < a.groups; ++g) {
-    __m512i part[R][B];
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < B; ++b) part[r][b] = _mm512_setzero_si512();
+    __m512i part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_si512();
     const uint8_t* wg = wb + g * kGroupBytes;
     const uint32_t* xg = a.xq + i0 * quarter_k + g * (kGroup / 4);
 #pragma GCC unroll 4
     for (int c = 0; c < kGroup / 8; ++c) {
-      __m512i lo[B], hi[B];
-#pragma GCC unroll 4
-      for (int b = 0; b < B; ++b) {
-        const __m512i v = _mm512_load_si512(reinterpret_cast<const void*>(wg + b * bstride + c * 64));
-        lo[b] = _mm512_and_si512(v, low);
-        hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
+      const __m512i v = _mm512_load_si512(reinterpret_cast<const void*>(wg + c * 64));
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m512i x0 = _mm512_set1_epi32(static_cast<int>(xg[r * quarter_k + 2 * c]));
-        const __m512i x1 = _mm512_set1_epi32(static_cast<int>(xg[r * quarter_k + 2 * c + 1]));
-#pragma GCC unroll 4
-        for (int b = 0; b < B; ++b) {
-          part[r][b] = _mm512_dpbusd_epi32(part[r][b], lo[b], x0);
-          part[r][b] = _mm512_dpbusd_epi32(part[r][b], hi[b], x1);
-        }
+        part[r] = _mm512_dpbusd_epi32(part[r], lo, _mm512_set1_epi32(static_cast<int>(xg[r * quarter_k + 2 * c])));
+        part[r] = _mm512_dpbusd_epi32(part[r], hi, _mm512_set1_epi32(static_cast<int>(xg[r * quarter_k + 2 * c + 1])));
       }
     }
-#pragma GCC unroll 4
-    for (int b = 0; b < B; ++b) {
-      const uint8_t* sz = wg + b * bstride + kCodeBytes;
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz))), 16));
-      const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz + 2 * kLanes))), 16));
-      const __m512 zz = _mm512_fnmadd_ps(eight, s, z);           // z - 8 s
+    const uint8_t* sz = wg + kCodeBytes;
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz))), 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz + 2 * kLanes))), 16));
+    const __m512 zz = _mm512_fnmadd_ps(eight, s, z);           // z - 8 s
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const int64_t rg = (i0 + r) * a.groups + g;
-        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(part[r][b]), s);
-        t = _mm512_fmadd_ps(zz, _mm512_set1_ps(a.xsum[rg]), t);
-        acc[r][b] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.xd[rg]), acc[r][b]);
-      }
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (i0 + r) * a.groups + g;
+      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(part[r]), s);
+      t = _mm512_fmadd_ps(zz, _mm512_set1_ps(a.xsum[rg]), t);
+      acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.xd[rg]), acc[r]);
     }
   }
   alignas(64) float lanes[kLanes];
   for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < B; ++b) {
-      _mm512_store_ps(lanes, acc[r][b]);
-      store_a8(a, i0 + r, (nb + b) * kLanes, lanes);
-    }
+    _mm512_store_ps(lanes, acc[r]);
+    store_a8(a, i0 + r, nb * kLanes, lanes);
   }
 }
 

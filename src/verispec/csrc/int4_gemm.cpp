@@ -162,11 +162,11 @@ __attribute__((noinline)) void store(const Args& a, int64_t i, int64_t c0, const
   for (int l = 0; l < kLanes; ++l) o[l] = a.bias ? lanes[l] + a.bias[c0 + l] : lanes[l];
 }
 
-// R rows x B blocks of 16 channels with AVX-512 BF16: a 64-byte chunk holds 8 columns of the 16
+// R rows x one block of 16 channels with AVX-512 BF16: a 64-byte chunk holds 8 columns of the 16
 // channels (one 32-bit word per channel); shifting it by 4 i bits puts column pair i's codes in
 // the low 5 bits of each 16-bit half, and vpermw maps them to bf16 values (the table repeats 0..15
 // so the fifth bit does not matter); vdpbf16ps multiplies a pair of columns by a pair of inputs.
-template <int R, int B>
+template <int R>
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 void block_bf16(const Args& a, int64_t nb, int64_t i0) {
   alignas(64) static const uint16_t tab[32] = {
@@ -175,60 +175,44 @@ void block_bf16(const Args& a, int64_t nb, int64_t i0) {
       0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
   const __m512i table = _mm512_load_si512(reinterpret_cast<const void*>(tab));
   const __m512 eight = _mm512_set1_ps(8.f);
-  __m512 acc[R][B];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
-  const int64_t bstride = a.groups * kGroupBytes;
-  const uint8_t* wb = a.w + nb * bstride;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* wb = a.w + nb * a.groups * kGroupBytes;
   const int64_t half_k = a.k / 2;
   for (int64_t g = 0; g < a.groups; ++g) {
-    __m512 part[R][B];
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < B; ++b) part[r][b] = _mm512_setzero_ps();
+    __m512 part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
     const uint8_t* wg = wb + g * kGroupBytes;
     const uint32_t* xg = a.x2 + i0 * half_k + g * (kGroup / 2);
 #pragma GCC unroll 4
     for (int c = 0; c < kGroup / 8; ++c) {
-      __m512i v[B];
-#pragma GCC unroll 4
-      for (int b = 0; b < B; ++b)
-        v[b] = _mm512_load_si512(reinterpret_cast<const void*>(wg + b * bstride + c * 64));
+      const __m512i v = _mm512_load_si512(reinterpret_cast<const void*>(wg + c * 64));
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
-        __m512i w[B];
-#pragma GCC unroll 4
-        for (int b = 0; b < B; ++b)
-          w[b] = _mm512_permutexvar_epi16(i == 0 ? v[b] : _mm512_srli_epi32(v[b], 4 * i), table);
+        const __m512i w = _mm512_permutexvar_epi16(i == 0 ? v : _mm512_srli_epi32(v, 4 * i), table);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m512i xp = _mm512_set1_epi32(static_cast<int>(xg[r * half_k + c * 4 + i]));
-#pragma GCC unroll 4
-          for (int b = 0; b < B; ++b)
-            part[r][b] = _mm512_dpbf16_ps(part[r][b], (__m512bh)w[b], (__m512bh)xp);
+          part[r] = _mm512_dpbf16_ps(part[r], (__m512bh)w, (__m512bh)xp);
         }
       }
     }
-#pragma GCC unroll 4
-    for (int b = 0; b < B; ++b) {
-      const uint8_t* sz = wg + b * bstride + kCodeBytes;
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz))), 16));
-      const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz + 2 * kLanes))), 16));
-      const __m512 zz = _mm512_fnmadd_ps(eight, s, z);           // z - 8 s
+    const uint8_t* sz = wg + kCodeBytes;
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz))), 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz + 2 * kLanes))), 16));
+    const __m512 zz = _mm512_fnmadd_ps(eight, s, z);           // z - 8 s
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        acc[r][b] = _mm512_fmadd_ps(part[r][b], s, acc[r][b]);
-        acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(a.xsum[(i0 + r) * a.groups + g]), zz, acc[r][b]);
-      }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(part[r], s, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.xsum[(i0 + r) * a.groups + g]), zz, acc[r]);
     }
   }
   alignas(64) float lanes[kLanes];
   for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < B; ++b) {
-      _mm512_store_ps(lanes, acc[r][b]);
-      store(a, i0 + r, (nb + b) * kLanes, lanes);
-    }
+    _mm512_store_ps(lanes, acc[r]);
+    store(a, i0 + r, nb * kLanes, lanes);
   }
 }
 
@@ -285,53 +269,42 @@ void block_avx2(const Args& a, int64_t nb, int64_t i0) {
 
 #include "int4_a8.h"      // linear_a8's row preparation and kernels
 
-// Blocks per pass and the most rows a pass of that width holds in registers (AVX-512: 2 R B
-// accumulators + 2 B code vectors + a constant, of 32; AVX2: one block of two halves, 2 rows).
-int blocks_per_pass(bool avx2, int64_t rows, int64_t blocks_left) {
-  if (avx2) return 1;
-  if (blocks_left >= 4 && rows <= 1) return 4;
-  if (blocks_left >= 2 && rows <= 4) return 2;
-  return 1;
-}
+// The most rows a pass holds in registers (AVX-512: 2 R accumulators + a code vector or two +
+// constants, of 32 registers; AVX2: one block of two halves, 2 rows). A pass takes one block of
+// 16 channels: the blocks are contiguous, so the pass reads memory as one sequential stream.
+// Passes over 2 or 4 blocks at once (sharing each input broadcast) were slower on the 2-core EPYC:
+// Qwen-1.5B's decoder matmuls, W4A8, T=1 19.6 -> 18.6 ms, T=2 23.2 -> 20.4, T=4 29.4 -> 24.2.
+int max_rows(bool avx2) { return avx2 ? 2 : kRows; }
 
-int max_rows(bool avx2, int blocks) {
-  if (avx2) return 2;
-  return blocks == 4 ? 2 : blocks == 2 ? 4 : kRows;
-}
-
-// The kernel for a pass of `blocks` blocks x `rows` rows, from the AVX-512 variants <R, B> and the
-// AVX2 ones <R> of one recipe.
-template <class A, template <int, int> class Wide, template <int> class Narrow>
+// The kernel for a pass of `rows` rows, from the AVX-512 variants <R> and the AVX2 ones <R> of one
+// recipe.
+template <class A, template <int> class Wide, template <int> class Narrow>
 struct Kernels {
   using Fn = void (*)(const A&, int64_t, int64_t);
-  static Fn pick(bool avx2, int blocks, int rows) {
+  static Fn pick(bool avx2, int rows) {
     if (avx2) return rows == 2 ? Narrow<2>::fn : Narrow<1>::fn;
-    static const Fn four[2] = {Wide<1, 4>::fn, Wide<2, 4>::fn};
-    static const Fn two[4] = {Wide<1, 2>::fn, Wide<2, 2>::fn, Wide<3, 2>::fn, Wide<4, 2>::fn};
-    static const Fn one[kRows] = {Wide<1, 1>::fn, Wide<2, 1>::fn, Wide<3, 1>::fn, Wide<4, 1>::fn,
-                                  Wide<5, 1>::fn, Wide<6, 1>::fn, Wide<7, 1>::fn, Wide<8, 1>::fn};
-    return blocks == 4 ? four[rows - 1] : blocks == 2 ? two[rows - 1] : one[rows - 1];
+    static const Fn wide[kRows] = {Wide<1>::fn, Wide<2>::fn, Wide<3>::fn, Wide<4>::fn,
+                                   Wide<5>::fn, Wide<6>::fn, Wide<7>::fn, Wide<8>::fn};
+    return wide[rows - 1];
   }
 };
 
-template <int R, int B> struct Bf16 { static constexpr auto fn = block_bf16<R, B>; };
+template <int R> struct Bf16 { static constexpr auto fn = block_bf16<R>; };
 template <int R> struct Avx2 { static constexpr auto fn = block_avx2<R>; };
-template <int R, int B> struct Vnni { static constexpr auto fn = block_vnni<R, B>; };
+template <int R> struct Vnni { static constexpr auto fn = block_vnni<R>; };
 template <int R> struct Avx2A8 { static constexpr auto fn = block_avx2_a8<R>; };
 
-// Blocks [nb_begin, nb_end), a few at a time: the first row pass reads them from memory, later
-// passes from cache.
+// Blocks [nb_begin, nb_end), one at a time: the first row pass reads it from memory, later passes
+// from cache.
 template <class K, class A>
 void run_blocks(const A& a, bool avx2, int64_t nb_begin, int64_t nb_end) {
-  for (int64_t nb = nb_begin; nb < nb_end;) {
-    const int blocks = blocks_per_pass(avx2, a.rows, nb_end - nb);
-    const int most = max_rows(avx2, blocks);
+  const int most = max_rows(avx2);
+  for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
     for (int64_t i0 = 0; i0 < a.rows;) {
       const int r = static_cast<int>(std::min<int64_t>(a.rows - i0, most));
-      K::pick(avx2, blocks, r)(a, nb, i0);
+      K::pick(avx2, r)(a, nb, i0);
       i0 += r;
     }
-    nb += blocks;
   }
 }
 
