@@ -15,8 +15,8 @@
 //
 // Why: the bf16 path's dot products (32 products an instruction, plus decoding codes to bf16)
 // bound a verify or a prefill; vpdpbusd does 64 and the codes need only a mask and a shift. All
-// matmuls of a Qwen2.5-1.5B forward, 2 threads: T=1 21.4 -> 19.5 ms, T=4 33.6 -> 27.8, T=8
-// 50.7 -> 36.6, T=177 700 -> 429 (benchmarks/results/weight_kernels.md).
+// matmuls of a Qwen2.5-1.5B forward, 2 threads, bf16 path -> this one: T=1 21.7 -> 19.8 ms, T=4
+// 30.7 -> 25.6, T=8 60.8 -> 42.0, T=177 854 -> 557 (benchmarks/results/weight_kernels_a8.md).
 struct ArgsA8 {
   const uint32_t* xq;     // [rows, k / 4]: int8 inputs, 4 a word, in the codes' nibble order
   const float* xd;        // [rows, groups]: each group's input scale d
