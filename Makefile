@@ -103,12 +103,16 @@ bench-llamacpp: $(VENV)/.llamacpp
 	  --compile --methods vanilla,ngram-x1,eagle3,llamacpp \
 	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
 	  --name exact-int8-smollm2 --out benchmarks/results/spec_bench/exact_int8_smollm2
+	$(BIN)/verispec bench --model smollm2-135m --weights int4-a8 --threads 2 --per-category 2 --max-tokens 128 \
+	  --compile --methods vanilla,ngram-x1,llamacpp \
+	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
+	  --name exact-int4-a8-smollm2 --out benchmarks/results/spec_bench/exact_int4_a8_smollm2
 
 # The same two comparisons on Qwen2.5-Coder-1.5B (int4, int4-all, int4-head8 and int4-a8 weights; the 0.5B draft, ngram, llama.cpp's draft mode).
 QWEN_DRAFT = 'draft-v64k={"method":"draft_model","model":"qwen2.5-coder-0.5b","num_speculative_tokens":4,"draft_vocab":"qwen2.5-coder-draft-vocab-64k/draft_vocab.safetensors"}'
 bench-llamacpp-qwen: $(VENV)/.llamacpp qwen
 	$(BIN)/python benchmarks/decode_speed.py --model qwen2.5-coder-1.5b --per-category 1 --max-tokens 128 \
-	  --variants fp16@legacy,int4+compile,llamacpp
+	  --variants fp16@legacy,int4+compile,int4-a8+compile,llamacpp
 	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4 --threads 2 --per-category 1 --max-tokens 128 \
 	  --compile --methods vanilla,ngram,ngram-x1,draft-v64k,llamacpp,llamacpp-draft --method-config $(QWEN_DRAFT) \
 	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
@@ -128,6 +132,11 @@ bench-llamacpp-qwen: $(VENV)/.llamacpp qwen
 	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \
 	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
 	  --name exact-int4-a8-qwen --out benchmarks/results/spec_bench/exact_int4_a8_qwen
+	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4-a8 --threads 2 --per-category 2 --max-tokens 128 \
+	  --compile --methods vanilla,ngram-x1,draft-v64k-k3,llamacpp \
+	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \
+	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
+	  --name exact-int4-a8-qwen-26 --out benchmarks/results/spec_bench/exact_int4_a8_qwen_26
 
 # The quality cost of each weights option against fp32 (perplexity, greedy agreement).
 bench-weights: sharegpt $(VENV)/.llamacpp

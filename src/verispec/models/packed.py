@@ -65,8 +65,9 @@ class WeightFormat(str, enum.Enum):
 
     @property
     def int8_activations(self) -> bool:
-        """Whether some matmul quantises its activations to int8 per token (W8A8): a forward then
-        reproduces a decode's logits in a verify only with the row-invariant attention op."""
+        """Whether some matmul quantises its activations to int8 (per token, or per group of a
+        token's columns: W8A8, W4A8): a forward then reproduces a decode's logits in a verify only
+        with the row-invariant attention op."""
         return self in (WeightFormat.INT8, WeightFormat.INT4_HEAD8, WeightFormat.INT4_A8)
 
     @property
