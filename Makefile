@@ -127,11 +127,6 @@ bench-llamacpp-qwen: $(VENV)/.llamacpp qwen
 	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \
 	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
 	  --name exact-int4-head8-qwen --out benchmarks/results/spec_bench/exact_int4_head8_qwen
-	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4-a8 --threads 2 --per-category 1 --max-tokens 128 \
-	  --compile --methods vanilla,ngram-x1,draft-v64k-k3,draft-v64k,llamacpp --method-config $(QWEN_DRAFT) \
-	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \
-	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
-	  --name exact-int4-a8-qwen --out benchmarks/results/spec_bench/exact_int4_a8_qwen
 	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4-a8 --threads 2 --per-category 2 --max-tokens 128 \
 	  --compile --methods vanilla,ngram-x1,draft-v64k-k3,llamacpp \
 	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \

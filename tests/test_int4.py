@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import assert_cpu_fp32_only, assert_packed_twin, verify_and_decode_logits
+from helpers import assert_cpu_fp32_only, assert_packed_twin, assert_speculation_equals_vanilla, verify_and_decode_logits
 from verispec import LLM, SamplingParams
 from verispec.models.int4 import PackedInt4Linear, int4_available, quantize_int4
 from verispec.models.loading import load_model
@@ -194,9 +194,4 @@ def test_greedy_on_int4_all_equals_its_vanilla(int4_all_target, head_prompts, sp
     from verispec.models.int4 import kernel
     if kernel() is None:
         pytest.skip("torch's int4 kernel is not row-invariant")
-    greedy = SamplingParams(temperature=0, max_tokens=24)
-    batch = [{"prompt_token_ids": p} for p in head_prompts[:2]]
-    want = LLM(loaded=int4_all_target, max_num_seqs=2).generate(batch, greedy)
-    got = LLM(loaded=int4_all_target, max_num_seqs=2, speculative_config=spec).generate(batch, greedy)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert sum(o.metrics.num_drafts for o in got) > 0
+    assert_speculation_equals_vanilla(int4_all_target, head_prompts[:2], spec, 24)

@@ -1,6 +1,7 @@
 #pragma once
 // W4A8 for csrc/int4_gemm.cpp (its linear_a8), included inside that file's anonymous namespace
-// after the layout's constants (kLanes, kGroup, kCodeBytes, kGroupBytes).
+// after the layout's constants (kLanes, kGroup, kCodeBytes, kGroupBytes) and its shared helpers
+// (scales_512/256, store_512/256).
 //
 // The same packed codes, with each row's inputs quantised to int8 per group of 32 columns
 // (symmetric: d = max|x| / 127, xi = round(x / d)), as llama.cpp's Q8 activations are. The code x
@@ -69,18 +70,12 @@ void prepare_rows_a8(const float* x, int64_t rows, int64_t k, int8_t* xq, float*
   });
 }
 
-__attribute__((noinline)) void store_a8(const ArgsA8& a, int64_t i, int64_t c0, const float* lanes) {
-  float* o = a.out + i * a.n + c0;
-  for (int l = 0; l < kLanes; ++l) o[l] = a.bias ? lanes[l] + a.bias[c0 + l] : lanes[l];
-}
-
 // R rows x one block of 16 channels with AVX-512 VNNI: a 64-byte chunk (8 columns of 16 channels)
 // gives two code vectors (low and high nibbles), each 4 columns a lane, for vpdpbusd.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void block_vnni(const ArgsA8& a, int64_t nb, int64_t i0) {
   const __m512i low = _mm512_set1_epi8(0x0f);
-  const __m512 eight = _mm512_set1_ps(8.f);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* wb = a.w + nb * a.groups * kGroupBytes;
@@ -101,12 +96,8 @@ void block_vnni(const ArgsA8& a, int64_t nb, int64_t i0) {
         part[r] = _mm512_dpbusd_epi32(part[r], hi, _mm512_set1_epi32(static_cast<int>(xg[r * quarter_k + 2 * c + 1])));
       }
     }
-    const uint8_t* sz = wg + kCodeBytes;
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz))), 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz + 2 * kLanes))), 16));
-    const __m512 zz = _mm512_fnmadd_ps(eight, s, z);           // z - 8 s
+    __m512 zz;                                                   // z - 8 s
+    const __m512 s = scales_512(wg + kCodeBytes, &zz);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t rg = (i0 + r) * a.groups + g;
@@ -115,11 +106,7 @@ void block_vnni(const ArgsA8& a, int64_t nb, int64_t i0) {
       acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.xd[rg]), acc[r]);
     }
   }
-  alignas(64) float lanes[kLanes];
-  for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(lanes, acc[r]);
-    store_a8(a, i0 + r, nb * kLanes, lanes);
-  }
+  store_512(a, nb, i0, acc);
 }
 
 // The same recipe with AVX2 (no VNNI): vpmaddubsw adds code x input pairs in int16 (exact: at most
@@ -129,7 +116,6 @@ __attribute__((target("avx2,fma")))
 void block_avx2_a8(const ArgsA8& a, int64_t nb, int64_t i0) {
   const __m256i low = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256 eight = _mm256_set1_ps(8.f);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const uint8_t* wb = a.w + nb * a.groups * kGroupBytes;
@@ -153,12 +139,8 @@ void block_avx2_a8(const ArgsA8& a, int64_t nb, int64_t i0) {
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const uint8_t* sz = wg + kCodeBytes;
-      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sz + h * 16))), 16));
-      const __m256 z = _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sz + 2 * kLanes + h * 16))), 16));
-      const __m256 zz = _mm256_fnmadd_ps(eight, s, z);
+      __m256 zz;
+      const __m256 s = scales_256(wg + kCodeBytes, h, &zz);
       for (int r = 0; r < R; ++r) {
         const int64_t rg = (i0 + r) * a.groups + g;
         __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(part[r][h]), s);
@@ -167,10 +149,5 @@ void block_avx2_a8(const ArgsA8& a, int64_t nb, int64_t i0) {
       }
     }
   }
-  alignas(32) float lanes[kLanes];
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(lanes, acc[r][0]);
-    _mm256_store_ps(lanes + 8, acc[r][1]);
-    store_a8(a, i0 + r, nb * kLanes, lanes);
-  }
+  store_256(a, nb, i0, acc);
 }

@@ -157,9 +157,53 @@ void prepare_rows(const float* x, int64_t rows, int64_t k, uint32_t* x2, float* 
   }
 }
 
-__attribute__((noinline)) void store(const Args& a, int64_t i, int64_t c0, const float* lanes) {
+// One block's 16 outputs of row i (+ bias), for either recipe's arguments.
+template <class A>
+__attribute__((noinline)) void store(const A& a, int64_t i, int64_t c0, const float* lanes) {
   float* o = a.out + i * a.n + c0;
   for (int l = 0; l < kLanes; ++l) o[l] = a.bias ? lanes[l] + a.bias[c0 + l] : lanes[l];
+}
+
+// A group's 16 bf16 scales s (returned) and z - 8 s (in *zz), from its packed scale/zero pairs.
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512 scales_512(const uint8_t* sz, __m512* zz) {
+  const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz))), 16));
+  const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz + 2 * kLanes))), 16));
+  *zz = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);
+  return s;
+}
+
+// The same for half h (8 channels) of the block, AVX2.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 scales_256(const uint8_t* sz, int h, __m256* zz) {
+  const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sz + h * 16))), 16));
+  const __m256 z = _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sz + 2 * kLanes + h * 16))), 16));
+  *zz = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z);
+  return s;
+}
+
+// R rows of one block's fp32 accumulators written out.
+template <class A, int R>
+__attribute__((target("avx512f"), always_inline)) inline void store_512(const A& a, int64_t nb, int64_t i0,
+                                                                        const __m512 (&acc)[R]) {
+  alignas(64) float lanes[kLanes];
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(lanes, acc[r]);
+    store(a, i0 + r, nb * kLanes, lanes);
+  }
+}
+
+template <class A, int R>
+__attribute__((target("avx2"), always_inline)) inline void store_256(const A& a, int64_t nb, int64_t i0,
+                                                                     const __m256 (&acc)[R][2]) {
+  alignas(32) float lanes[kLanes];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(lanes, acc[r][0]);
+    _mm256_store_ps(lanes + 8, acc[r][1]);
+    store(a, i0 + r, nb * kLanes, lanes);
+  }
 }
 
 // R rows x one block of 16 channels with AVX-512 BF16: a 64-byte chunk holds 8 columns of the 16
@@ -174,7 +218,6 @@ void block_bf16(const Args& a, int64_t nb, int64_t i0) {
       0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0,
       0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
   const __m512i table = _mm512_load_si512(reinterpret_cast<const void*>(tab));
-  const __m512 eight = _mm512_set1_ps(8.f);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* wb = a.w + nb * a.groups * kGroupBytes;
@@ -197,23 +240,15 @@ void block_bf16(const Args& a, int64_t nb, int64_t i0) {
         }
       }
     }
-    const uint8_t* sz = wg + kCodeBytes;
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz))), 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sz + 2 * kLanes))), 16));
-    const __m512 zz = _mm512_fnmadd_ps(eight, s, z);           // z - 8 s
+    __m512 zz;                                                   // z - 8 s
+    const __m512 s = scales_512(wg + kCodeBytes, &zz);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(part[r], s, acc[r]);
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.xsum[(i0 + r) * a.groups + g]), zz, acc[r]);
     }
   }
-  alignas(64) float lanes[kLanes];
-  for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(lanes, acc[r]);
-    store(a, i0 + r, nb * kLanes, lanes);
-  }
+  store_512(a, nb, i0, acc);
 }
 
 // The same numbers' recipe with AVX2 and fp32 multiply-adds (CPUs without AVX-512 BF16): a block
@@ -222,7 +257,6 @@ template <int R>
 __attribute__((target("avx2,fma")))
 void block_avx2(const Args& a, int64_t nb, int64_t i0) {
   const __m256i mask = _mm256_set1_epi32(15);
-  const __m256 eight = _mm256_set1_ps(8.f);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const uint8_t* wb = a.w + nb * a.groups * kGroupBytes;
@@ -247,24 +281,15 @@ void block_avx2(const Args& a, int64_t nb, int64_t i0) {
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const uint8_t* sz = wg + kCodeBytes;
-      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sz + h * 16))), 16));
-      const __m256 z = _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sz + 2 * kLanes + h * 16))), 16));
-      const __m256 zz = _mm256_fnmadd_ps(eight, s, z);
+      __m256 zz;
+      const __m256 s = scales_256(wg + kCodeBytes, h, &zz);
       for (int r = 0; r < R; ++r) {
         acc[r][h] = _mm256_fmadd_ps(part[r][h], s, acc[r][h]);
         acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(a.xsum[(i0 + r) * a.groups + g]), zz, acc[r][h]);
       }
     }
   }
-  alignas(32) float lanes[kLanes];
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(lanes, acc[r][0]);
-    _mm256_store_ps(lanes + 8, acc[r][1]);
-    store(a, i0 + r, nb * kLanes, lanes);
-  }
+  store_256(a, nb, i0, acc);
 }
 
 #include "int4_a8.h"      // linear_a8's row preparation and kernels
