@@ -149,10 +149,17 @@ def write_reference(args, argmaxes, outs, eos) -> None:
 
 def run(args) -> dict:
     from verispec.data import per_category, spec_bench_questions
-    from verispec.models.loading import load_model
+    from verispec.models.loading import load_model, load_tokenizer
+    from verispec.models.sources import resolve_model
     torch.set_num_threads(args.threads)
     res = {"machine": machine_info(), "model": args.model, "options": {}, "settings": vars(args).copy()}
-    ref_argmax = ref_out = examples = prompts = tok = eos = None
+    src = resolve_model(args.model)
+    tok = load_tokenizer(src.path, src.format)
+    examples = heldout_examples(tok, args.conversations, args.max_length)
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False).input_ids
+               for q in per_category(spec_bench_questions(), args.per_category)]
+    ref_argmax = ref_out = eos = None
     wanted = [w for w in args.weights.split(",") if w not in ("dense", "llamacpp")]
     order = ["dense"] + wanted + (["llamacpp"] if "llamacpp" in args.weights.split(",") else [])
     earlier = earlier_run(args)
@@ -163,39 +170,29 @@ def run(args) -> dict:
         if ref is not None:                     # and the fp32 reference they were measured against
             ref_argmax, ref_out, eos = [torch.tensor(a) for a in ref["argmax"]], ref["outputs"], tuple(ref["eos"])
             order = [w for w in order if w != "dense"]
-            if order and order[0] == "llamacpp":    # the examples need a tokenizer: the cheapest load has one
-                order.insert(0, "fp16")
     for weights in order:
         t0 = time.perf_counter()
         if weights == "llamacpp":
             ppl, outs = llamacpp_quality(args.model, examples, prompts, args.max_tokens, args.threads, ref_argmax,
                                          eos, tok)
-            res["options"][weights] = dict(ppl, **agreement(outs, ref_out), seconds=time.perf_counter() - t0)
-            print(weights, res["options"][weights], flush=True)
-            continue
-        loaded = load_model(args.model, weights=weights)
-        if examples is None:
-            tok = loaded.tokenizer
-            examples = heldout_examples(tok, args.conversations, args.max_length)
-            qs = per_category(spec_bench_questions(), args.per_category)
-            prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
-                                                   add_generation_prompt=True), add_special_tokens=False).input_ids
-                       for q in qs]
-        ppl, argmaxes = perplexity(lambda ids: chunked_logits(loaded.model, ids, args.chunk), examples, ref_argmax)
-        outs = greedy_outputs(loaded, prompts, args.max_tokens)
-        if weights == "dense":
-            ref_argmax, ref_out, eos = argmaxes, outs, tuple(loaded.config.eos_token_ids)
-            write_reference(args, argmaxes, outs, eos)
-            kept = res["options"].get("dense")
-            if kept is not None and (abs(kept["perplexity"] / ppl["perplexity"] - 1) > 1e-5 or
-                                     kept["tokens"] != ppl["tokens"]):
-                print("--merge: the fp32 reference measured differently from the earlier run's; "
-                      "its rows are dropped", flush=True)
-                res["options"], res["merged"] = {}, []
+        else:
+            loaded = load_model(args.model, weights=weights)
+            ppl, argmaxes = perplexity(lambda ids: chunked_logits(loaded.model, ids, args.chunk), examples,
+                                       ref_argmax)
+            outs = greedy_outputs(loaded, prompts, args.max_tokens)
+            if weights == "dense":
+                ref_argmax, ref_out, eos = argmaxes, outs, tuple(loaded.config.eos_token_ids)
+                write_reference(args, argmaxes, outs, eos)
+                kept = res["options"].get("dense")
+                if kept is not None and (abs(kept["perplexity"] / ppl["perplexity"] - 1) > 1e-5 or
+                                         kept["tokens"] != ppl["tokens"]):
+                    print("--merge: the fp32 reference measured differently from the earlier run's; "
+                          "its rows are dropped", flush=True)
+                    res["options"], res["merged"] = {}, []
+            del loaded
+            gc.collect()
         res["options"][weights] = dict(ppl, **agreement(outs, ref_out), seconds=time.perf_counter() - t0)
         print(weights, res["options"][weights], flush=True)
-        del loaded
-        gc.collect()
     res["machine_line"] = machine_line(with_isa=True)
     return res
 
