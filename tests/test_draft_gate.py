@@ -193,7 +193,9 @@ def test_rows_switching_between_drafted_and_plain_steps_stay_lossless(packed_tar
     params = SamplingParams(temperature=0, max_tokens=48)
     prompts = [{"prompt_token_ids": ids} for ids in chat_prompts[:3]]
     ref = LLM(loaded=packed_target).generate(prompts, params)
-    spec = LLM(loaded=packed_target, speculative_config={"method": method})
+    # A pinned three-node tree: budgets 0, 1 and 2 must all be reachable whatever shape this
+    # machine's measured costs would pick (the default shape can be one node on a fast machine).
+    spec = LLM(loaded=packed_target, speculative_config={"method": method, "tree": [[0], [0, 0], [1]]})
     gates = []
     never = [GateOption(1, 0.5, 10.0)]                  # no request reaches this break-even
     monkeypatch.setattr(spec, "_make_gate", lambda: gates.append(DraftGate(never)) or gates[-1])

@@ -88,8 +88,6 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
@@ -98,7 +96,43 @@ class ModelConfig:
         )
         if model_type == "gemma3":
             fields.update(_gemma3_from_hf(cfg))
+        else:
+            fields.update(_rope_from_hf(cfg), **_sliding_from_hf(cfg, model_type))
         return cls(**fields)
+
+
+def _rope_from_hf(cfg: dict) -> dict:
+    """``rope_theta`` and ``rope_scaling`` of a Llama-family config.json. transformers 5 writes both
+    under ``rope_parameters`` ({"rope_type", "rope_theta", "factor", ...}); 4.x wrote ``rope_theta``
+    and ``rope_scaling`` at the top level. Either spelling is read, ``rope_parameters`` first."""
+    rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+        raise UnsupportedModelError(f"rope_parameters {rope!r}: per-layer-type RoPE is only read for Gemma 3")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"} if scaling else None
+    return dict(rope_theta=float(theta), rope_scaling=scaling)
+
+
+def _sliding_from_hf(cfg: dict, model_type: str) -> dict:
+    """Sliding-window attention of a Llama-family config: Mistral applies ``sliding_window`` to every
+    layer when it is set; Qwen2 only with ``use_sliding_window`` and from layer ``max_window_layers``
+    on (transformers' rule). The window counts the query's own position, as transformers masks."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return {}
+    n = cfg["num_hidden_layers"]
+    if model_type == "qwen2":
+        if not cfg.get("use_sliding_window", False):
+            return {}
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= cfg.get("max_window_layers", n) else "full_attention" for i in range(n)]
+    else:
+        types = cfg.get("layer_types") or ["sliding_attention"] * n
+    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return dict(sliding_window=int(window), sliding_layers=layers) if layers else {}
 
 
 def _gemma3_from_hf(cfg: dict) -> dict:

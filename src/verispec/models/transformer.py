@@ -56,9 +56,11 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] with the config's theta and scaling (default, linear, llama3).
-    ``local``: those of the sliding-window layers (``rope_local_theta``, no scaling)."""
+    ``local``: those of the sliding-window layers: ``rope_local_theta`` without scaling where it is
+    set (Gemma 3), else the global ones (Mistral, Qwen2: one RoPE for every layer)."""
     dim = cfg.head_dim
-    theta = (cfg.rope_local_theta or cfg.rope_theta) if local else cfg.rope_theta
+    local = local and cfg.rope_local_theta is not None
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     sc = {} if local else (cfg.rope_scaling or {})
     kind = sc.get("rope_type", sc.get("type", "default"))
