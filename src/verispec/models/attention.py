@@ -16,6 +16,9 @@ Contract of ``attend(q, k, v, mask, scale)`` (q [B,H,T,D], k/v [B,KVH,S,D], bool
   ``packed.DENSE_MIN_ROWS`` (decode, verification: prefill chunks keep SDPA's flash kernel), the
   head size is a multiple of 16 up to 256 and the op is available; SDPA otherwise. Which one runs
   depends on T and the model's shapes only, never on the batch or the drafter.
+- ``softcap`` (Gemma 2): scores become ``c * tanh(scores / c)`` before the mask and softmax, as
+  transformers' eager attention computes them; this runs in plain torch ops (neither the op nor
+  SDPA soft-caps), which are not row-invariant, so ``row_invariant`` is False for such models.
 - ``VERISPEC_ATTENTION=sdpa`` turns the op off for the process (comparisons, debugging).
 - Numbers: softmax attention within about 1e-6 of SDPA (a polynomial exp, fp32 sums in slot order).
 """
@@ -68,7 +71,7 @@ def _head_fits(d: int) -> bool:
 def row_invariant(cfg) -> bool:
     """Whether a model of config ``cfg`` (``ModelConfig``) runs its decode and verify forwards
     through the row-invariant op on the CPU (fp32)."""
-    return _head_fits(cfg.head_dim) and available()
+    return _head_fits(cfg.head_dim) and not cfg.attn_logit_softcapping and available()
 
 
 def uses_op(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
@@ -80,11 +83,27 @@ def uses_op(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           scale: float | None) -> torch.Tensor:
+           scale: float | None, softcap: float | None = None) -> torch.Tensor:
     """Softmax attention of ``q`` over ``k``/``v`` under a bool ``mask`` (True: attend); grouped
-    query heads when k/v have fewer heads. See the module docstring."""
+    query heads when k/v have fewer heads; scores soft-capped at ``softcap`` when given. See the
+    module docstring."""
+    if softcap:
+        return _softcapped(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale, softcap)
     if uses_op(q, mask):
         s = q.shape[-1] ** -0.5 if scale is None else scale
         return torch.ops.verispec_attn.attention(q, k, v, mask, float(s), max_threads(0))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1],
                                           scale=scale)
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                scale: float, cap: float) -> torch.Tensor:
+    """Eager attention with soft-capped scores (transformers' Gemma 2 order: scale, cap, mask,
+    fp32 softmax)."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

@@ -1,4 +1,4 @@
-"""A compact decoder-only transformer we own (Llama family: Llama, SmolLM2, Qwen2, Mistral; Gemma 3).
+"""A compact decoder-only transformer we own (Llama, SmolLM2, Mistral, Qwen2/3, Phi-3, Gemma 2/3).
 
 One forward serves prefill, decode and draft-tree verification:
 
@@ -15,9 +15,10 @@ One forward serves prefill, decode and draft-tree verification:
 - ``hidden_layers``: the outputs of these decoder layers (0-based) are returned in
   ``ModelOutput.hidden`` (EAGLE-3 fuses layers 1, N/2-1, N-4); ``ModelOutput.last_hidden`` is the
   final-normed state the LM head reads (EAGLE-1, Medusa).
-- Gemma 3 (switched on by ``ModelConfig`` fields, never by name): scaled embeddings, q/k RMSNorm,
-  sandwich norms, GeGLU, and sliding-window layers (a query at position p sees keys at positions
-  > p - window, committed or new) with their own RoPE base.
+- Family differences are ``ModelConfig`` fields, never names: scaled embeddings, q/k RMSNorm
+  (Gemma 3, Qwen3), sandwich norms, GeGLU, soft-capped attention and logits (Gemma 2), partial
+  rotary and LongRoPE (Phi-3), and sliding-window layers (a query at position p sees keys at
+  positions > p - window, committed or new), with their own RoPE base (Gemma 3).
 Knows nothing about drafters, trees or sampling.
 """
 from __future__ import annotations
@@ -55,13 +56,17 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] with the config's theta and scaling (default, linear, llama3).
-    ``local``: those of the sliding-window layers: ``rope_local_theta`` without scaling where it is
-    set (Gemma 3), else the global ones (Mistral, Qwen2: one RoPE for every layer)."""
-    dim = cfg.head_dim
+    """Inverse frequencies [rope_dim/2] with the config's theta and scaling (default, linear,
+    llama3), divided by ``rope_freq_factors`` where set (llama.cpp's rope_freqs); LongRoPE: [2,
+    rope_dim/2], the short factors' row then the long factors' (``Transformer.rope`` picks per
+    position). ``local``: those of the sliding-window layers: ``rope_local_theta`` without scaling
+    where it is set (Gemma 3), else the global ones (Mistral, Qwen2, Gemma 2: one RoPE)."""
+    dim = cfg.rope_dim
     local = local and cfg.rope_local_theta is not None
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if cfg.rope_freq_factors is not None and not local:
+        inv = inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)
     sc = {} if local else (cfg.rope_scaling or {})
     kind = sc.get("rope_type", sc.get("type", "default"))
     if kind in ("default", None):
@@ -76,12 +81,20 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
         scaled = torch.where(wavelen > old / lo, inv / factor, inv)
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
-    raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default, linear, llama3 are)")
+    if kind == "longrope":     # as transformers: 1 / (factor * theta^(2i/d)) in fp32
+        base = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        return torch.stack([1.0 / (torch.tensor(sc[k], dtype=torch.float32) * base)
+                            for k in ("short_factor", "long_factor")])
+    raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default, linear, llama3, longrope are)")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B,H,T,D]; cos/sin [B,1,T,D] (HF half-rotation layout)."""
-    half = x.shape[-1] // 2
+    """x [B,H,T,D]; cos/sin [B,1,T,R] (HF half-rotation layout) over the first R <= D dims of
+    each head; the rest pass through (partial rotary, Phi-3)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+    half = r // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
 
@@ -97,6 +110,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.query_scale
+        self.softcap = cfg.attn_logit_softcapping
         self.fused: nn.Linear | None = None
 
     def fuse_(self) -> None:
@@ -126,7 +140,7 @@ class Attention(nn.Module):
         if cache is not None:
             cache.write(self.layer, rows, slots, k, v)
             k, v = cache.read(self.layer, cache.view_rows(rows) if select is None else select, used)
-        out = attend(q, k, v, mask, self.scale)
+        out = attend(q, k, v, mask, self.scale, self.softcap)
         return self.wo(out.transpose(1, 2).reshape(b, t, self.h * self.d))
 
 
@@ -255,9 +269,20 @@ class Transformer(nn.Module):
         self.inv_freq_local = rope_inv_freq(self.cfg, local=True).to(device)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False):
-        freqs = positions[..., None].float() * (self.inv_freq_local if local else self.inv_freq)   # [B,T,D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]                 # [B,1,T,D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """cos, sin [B,1,T,rope_dim] at ``positions``. LongRoPE: the short factors' frequencies
+        below ``rope_long_from``, the long ones from there (what transformers computes when a
+        cached generation crosses the original context), times the attention factor."""
+        inv = self.inv_freq_local if local else self.inv_freq
+        pos = positions[..., None].float()
+        if inv.dim() == 2:
+            freqs = torch.where(pos < self.cfg.rope_long_from, pos * inv[0], pos * inv[1])
+        else:
+            freqs = pos * inv                                            # [B,T,R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]                 # [B,1,T,R]
+        cos, sin = emb.cos(), emb.sin()
+        if self.cfg.rope_attention_factor != 1.0:
+            cos, sin = cos * self.cfg.rope_attention_factor, sin * self.cfg.rope_attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                 attn_mask: torch.Tensor | None = None, rows: Rows | None = None,
