@@ -9,7 +9,9 @@ config: ``num_hidden_layers`` 1, ``draft_vocab_size``, optional ``target_hidden_
 ``d2t``, ``t2d``, optional ``embed_tokens.weight`` (absent: the target's is shared) and
 ``fc_norm.{i}.weight``. Read too: vLLM's ``layers.0.*`` for ``midlayer.*``, a leading ``model.``,
 aux ids at the top level of the config, a missing ``t2d`` (rebuilt from ``d2t``) and a missing
-``d2t`` for a full draft vocabulary. Aux layer ids follow vLLM: id k is the hidden state entering
+``d2t`` for a full draft vocabulary, and the speculators format (RedHatAI ``*speculator.eagle3``:
+``speculators_config``, the layer's Llama config under ``transformer_layer_config``, tensors named
+``layers.0.*``; see ``from_speculators``). Aux layer ids follow vLLM: id k is the hidden state entering
 target layer k (= output of layer k-1); default (2, N/2, N-3).
 
 The EAGLE-3.1 switches are written only when on: SpecForge 0.2.0 reads a present ``norm_output``
@@ -27,14 +29,15 @@ from pathlib import Path
 
 import torch
 
-from ..draft_vocab import DraftVocab
-from ..drafters.eagle_head import Eagle3Head, EagleHeadConfig, HeadKind
+from ..drafting.draft_vocab import DraftVocab
+from ..drafting.eagle_head import Eagle3Head, EagleHeadConfig, HeadKind
 from .common import CONSUMER, CheckpointError, ExportFormat, check_names, dtype_of
 from .eagle_layer import (EagleCheckpoint, add_target_embedding, build_head, check_own_embedding, check_target_hidden,
                           check_tensors, eagle_rope_scaling, layer_names, llama_fields, llama_json, make_config,
                           plain_names, read_folder, refuse, save_head, standin_target)
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
+SPECULATORS_ARCHITECTURES = ("Eagle3Speculator",)
 _WHAT = "an EAGLE-3 head"
 
 
@@ -60,6 +63,30 @@ def normalise(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def from_speculators(cfg_json: dict) -> dict:
+    """A speculators-format config (``speculators_config`` / ``transformer_layer_config``, as
+    vLLM reads it) as our layout's config: the layer config, plus ``draft_vocab_size``,
+    ``target_hidden_size`` and the aux ids of the outer config. Any other config is returned as it
+    is. Refused: another algorithm, and ``norm_before_residual`` (a variant our head does not run)."""
+    if not ({"speculators_config", "transformer_layer_config"} & set(cfg_json)
+            or set(cfg_json.get("architectures") or []) & set(SPECULATORS_ARCHITECTURES)):
+        return cfg_json
+    algorithm = (cfg_json.get("speculators_config") or {}).get("algorithm") or cfg_json.get("speculators_model_type")
+    if algorithm not in (None, "eagle3"):
+        raise CheckpointError(f"speculators algorithm {algorithm!r} is not an EAGLE-3 head (eagle3)")
+    if cfg_json.get("norm_before_residual"):
+        raise CheckpointError("speculators norm_before_residual=true (hidden_norm before the residual) is not "
+                              "supported; verispec runs EAGLE-3 heads that norm after taking the residual")
+    layer = cfg_json.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise CheckpointError("speculators config.json lacks 'transformer_layer_config'")
+    out = {**layer, "architectures": [ARCHITECTURES[0]]}
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if cfg_json.get(key) is not None:
+            out[key] = cfg_json[key]
+    return out
+
+
 def aux_ids_in_json(cfg_json: dict) -> tuple[int, ...] | None:
     """Aux ids from ``eagle_config`` (SpecForge, ours) or the top level (vLLM), vLLM's convention."""
     ids = (cfg_json.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
@@ -71,6 +98,7 @@ def config_from_json(cfg: dict, target_cfg, has_embedding: bool,
                      aux_layer_ids: tuple[int, ...] | None = None) -> EagleHeadConfig:
     """Our ``EagleHeadConfig`` from a head's config.json, checked against the target's config;
     ``aux_layer_ids`` (else the config's, else the default for the target's depth)."""
+    cfg = from_speculators(cfg)
     archs = cfg.get("architectures") or []
     if archs and not set(archs) & set(ARCHITECTURES):
         raise CheckpointError(f"architectures {archs} is not an EAGLE-3 head ({list(ARCHITECTURES)})")
@@ -113,6 +141,7 @@ def read(folder: str | Path, target_cfg=None, aux_layer_ids: tuple[int, ...] | N
     """The validated checkpoint in ``folder`` for a target with config ``target_cfg`` (None: the
     head's own config stands in for it; aux ids it does not name are then a stand-in)."""
     cfg_json, state = read_folder(folder, normalise)
+    cfg_json = from_speculators(cfg_json)
     ids = aux_layer_ids or aux_ids_in_json(cfg_json)
     standin = target_cfg is None and ids is None
     cfg = config_from_json(cfg_json, target_cfg or standin_target(cfg_json, ids), "embed_tokens.weight" in state,
