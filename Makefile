@@ -8,7 +8,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # conftest sets PASSIVE (two pytest workers share the 2 cores). The threaded fp16 kernel and the int4
 # kernel hand work to the second thread ~120 times a token: a sleeping thread costs ~50 us to wake.
 
-.PHONY: setup demo test test-slow bench-llamacpp bench-llamacpp-qwen bench-weights bench-weights-qwen llamacpp bench-vanilla bench-spec-core bench-heads qwen draft-vocab-qwen clean sharegpt regen train-eagle3 train-medusa ship-heads
+.PHONY: setup demo test test-slow qwen llamacpp sharegpt regen draft-vocab-qwen train-eagle3 train-medusa bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,12 +39,6 @@ test-slow: $(STAMP)
 qwen: $(STAMP)
 	$(BIN)/verispec models pull qwen2.5-coder-1.5b
 	$(BIN)/verispec models pull qwen2.5-coder-0.5b
-
-bench-vanilla: $(STAMP)
-	$(BIN)/python benchmarks/vanilla.py
-
-bench-spec-core: qwen
-	$(BIN)/python benchmarks/spec_core.py
 
 # The shipped reduced draft vocabulary for the Qwen2.5 tokenizer (card in its folder).
 draft-vocab-qwen: qwen
@@ -84,64 +78,25 @@ train-medusa: regen
 	$(BIN)/verispec train medusa --data $(HEAD_DATA) --out runs/medusa-smollm2 --max-steps 60 \
 	  --batch-size 4 --micro-batch-size 2 --lr 1e-3 --num-heads 4 --num-layers 1 --log-every 5 --save-every 20 --threads 1
 
-# llama.cpp as a benchmark peer (#20): llama-cpp-python is an sdist, built here with cmake (about
-# 10 minutes on 2 cores), never by `make test`. Then vanilla speed by weights option beside it, and
-# Spec-Bench (13 categories x 2, 128 tokens, greedy) with our best methods and its own.
+# llama.cpp as a benchmark peer: llama-cpp-python is an sdist, built here with cmake (about
+# 10 minutes on 2 cores), never by `make test`.
 LLAMA_CPP := llama-cpp-python==0.3.36
 $(VENV)/.llamacpp: $(STAMP)
 	$(BIN)/pip install -q $(LLAMA_CPP)
 	touch $@
 llamacpp: $(VENV)/.llamacpp
 
-bench-llamacpp: $(VENV)/.llamacpp
-	$(BIN)/python benchmarks/decode_speed.py --model smollm2-135m --per-category 2 --max-tokens 128
-	$(BIN)/verispec bench --model smollm2-135m --weights int4 --threads 2 --per-category 2 --max-tokens 128 \
-	  --compile --methods vanilla,ngram,ngram-x1,eagle3,llamacpp,llamacpp-pld \
-	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
-	  --name exact-int4-smollm2 --out benchmarks/results/spec_bench/exact_int4_smollm2
-	$(BIN)/verispec bench --model smollm2-135m --weights int8 --threads 2 --per-category 2 --max-tokens 128 \
-	  --compile --methods vanilla,ngram-x1,eagle3,llamacpp \
-	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
-	  --name exact-int8-smollm2 --out benchmarks/results/spec_bench/exact_int8_smollm2
-	$(BIN)/verispec bench --model smollm2-135m --weights int4-a8 --threads 2 --per-category 2 --max-tokens 128 \
-	  --compile --methods vanilla,ngram-x1,llamacpp \
-	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
-	  --name exact-int4-a8-smollm2 --out benchmarks/results/spec_bench/exact_int4_a8_smollm2
-
-# The same two comparisons on Qwen2.5-Coder-1.5B (int4, int4-all, int4-head8 and int4-a8 weights; the 0.5B draft, ngram, llama.cpp's draft mode).
-QWEN_DRAFT = 'draft-v64k={"method":"draft_model","model":"qwen2.5-coder-0.5b","num_speculative_tokens":4,"draft_vocab":"qwen2.5-coder-draft-vocab-64k/draft_vocab.safetensors"}'
-bench-llamacpp-qwen: $(VENV)/.llamacpp qwen
-	$(BIN)/python benchmarks/decode_speed.py --model qwen2.5-coder-1.5b --per-category 1 --max-tokens 128 \
-	  --variants fp16@legacy,int4+compile,int4-a8+compile,llamacpp
-	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4 --threads 2 --per-category 1 --max-tokens 128 \
-	  --compile --methods vanilla,ngram,ngram-x1,draft-v64k,llamacpp,llamacpp-draft --method-config $(QWEN_DRAFT) \
-	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
-	  --name exact-int4-qwen --out benchmarks/results/spec_bench/exact_int4_qwen
-	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4-all --threads 2 --per-category 1 --max-tokens 128 \
-	  --compile --methods vanilla,ngram-x1,draft-v64k,draft-v64k-k3,llamacpp --method-config $(QWEN_DRAFT) \
-	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \
-	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
-	  --name exact-int4-all-qwen --out benchmarks/results/spec_bench/exact_int4_all_qwen
-	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4-head8 --threads 2 --per-category 1 --max-tokens 128 \
-	  --compile --methods vanilla,ngram-x1,draft-v64k-k3,llamacpp \
-	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \
-	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
-	  --name exact-int4-head8-qwen --out benchmarks/results/spec_bench/exact_int4_head8_qwen
-	$(BIN)/verispec bench --model qwen2.5-coder-1.5b --weights int4-a8 --threads 2 --per-category 2 --max-tokens 128 \
-	  --compile --methods vanilla,ngram-x1,draft-v64k-k3,llamacpp \
-	  --method-config $(subst draft-v64k=,draft-v64k-k3=,$(subst :4,:3,$(QWEN_DRAFT))) \
-	  --method-config 'ngram-x1={"method":"ngram","num_speculative_tokens":5,"prompt_lookup_extra":1}' \
-	  --name exact-int4-a8-qwen-26 --out benchmarks/results/spec_bench/exact_int4_a8_qwen_26
-
-# The quality cost of each weights option against fp32 (perplexity, greedy agreement).
-bench-weights: sharegpt $(VENV)/.llamacpp
-	$(BIN)/python benchmarks/weights_quality.py --model smollm2-135m --weights fp16,int4,int4-all,int4-head8,int4-a8,int8,llamacpp
-bench-weights-qwen: sharegpt qwen $(VENV)/.llamacpp
-	$(BIN)/python benchmarks/weights_quality.py --model qwen2.5-coder-1.5b --weights fp16,int4,int4-head8,int4-a8,int4-all,int8,llamacpp \
-	  --conversations 16 --per-category 1
-
-bench-heads: $(STAMP)
-	$(BIN)/python benchmarks/trained_heads.py
+# --- Benchmarks: `make bench SUITE=NAME` runs one suite declared in src/verispec/bench/suites.py
+# (its workload, methods and result file live there); `make bench` lists them. Results and the
+# current figure of each suite: benchmarks/RESULTS.md.
+SUITE ?=
+bench: $(STAMP)
+ifeq ($(SUITE),)
+	$(BIN)/python -m verispec.bench.suites list
+else
+	$(MAKE) --no-print-directory $$($(BIN)/python -m verispec.bench.suites needs $(SUITE)) $(STAMP)
+	$(BIN)/python -m verispec.bench.suites run $(SUITE)
+endif
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info
