@@ -242,3 +242,30 @@ def test_unsupported_families_fail_clearly(name, tmp_path):
     with pytest.raises(UnsupportedModelError, match=kind) as err:
         load_model(tmp_path, with_tokenizer=False)
     assert all(a in str(err.value) for a in SUPPORTED_ARCHITECTURES), str(err.value)
+
+
+# -- verispec models ------------------------------------------------------------------------------
+def _cli(argv: list[str]) -> int:
+    import argparse
+    from verispec.cli import models as cli_models
+    parser = argparse.ArgumentParser(prog="verispec")
+    cli_models.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_shows_local_architectures_and_status(pairs, tmp_path, capsys):
+    folders = [str(pairs(a).folder) for a in ("phi3", "gemma2")]
+    assert _cli(["models", "inspect", *folders]) == 0
+    out = capsys.readouterr().out
+    assert "phi3" in out and "gemma2" in out and "3 layers, hidden 96, 3 heads (1 kv) x 32, vocab 128" in out
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert _cli(["models", "inspect", "--json", folders[0], str(tmp_path)]) == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["arch"] == "phi3" and not rows[1]["ok"] and "mixture-of-experts" in rows[1]["error"]
+    assert _cli(["models", "archs", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)) == set(SUPPORTED_ARCHITECTURES)
+    assert _cli(["models", "list", "--path", folders[1]]) == 0
+    out = capsys.readouterr().out
+    assert "NAME" in out and "gemma2" in out and "ARCH" in out and "qwen3" in out
