@@ -24,11 +24,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 from reference_accept import reference_greedy, reference_sampled  # noqa: E402
 
-from verispec.params import SamplingParams  # noqa: E402
-from verispec.sampling import target_probs  # noqa: E402
-from verispec.tree import DraftTree  # noqa: E402
-from verispec.tree_batch import TreeBatch  # noqa: E402
-from verispec.verify import accept_batch  # noqa: E402
+from verispec.core.params import SamplingParams  # noqa: E402
+from verispec.core.sampling import target_probs  # noqa: E402
+from verispec.core.tree import DraftTree  # noqa: E402
+from verispec.core.tree_batch import TreeBatch  # noqa: E402
+from verispec.core.verify import accept_batch  # noqa: E402
 
 V = 49152
 

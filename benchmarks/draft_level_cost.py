@@ -25,8 +25,8 @@ ROOT = HERE.parent
 def worker(reps: int) -> dict:
     import torch
 
-    from verispec.drafters.eagle import draft_costs
-    from verispec.drafters.eagle_head import HeadKind
+    from verispec.drafting.eagle import draft_costs
+    from verispec.drafting.eagle_head import HeadKind
     from verispec.formats import load_eagle_head
     from verispec.models.loading import load_model
     torch.set_num_threads(2)

@@ -19,7 +19,7 @@ import torch
 
 def main() -> None:
     from verispec import LLM, SamplingParams
-    from verispec.draft_shape import AcceptanceProfile
+    from verispec.drafting.draft_shape import AcceptanceProfile
     from verispec.models.loading import load_model
     from verispec.train.data import load_conversations, split_ids
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -40,7 +40,7 @@ def heldout(tok, data: list[str], limit: int, max_length: int):
 
 def medusa_hits(target, examples, cut: bool) -> dict:
     """Top-1 / top-2 hit rate per head on held-out sequences (labels: the data's tokens)."""
-    from verispec.draft_vocab import load_draft_vocab
+    from verispec.drafting.draft_vocab import load_draft_vocab
     from verispec.formats import load_medusa_heads
     folder = ROOT / "smollm2-135m-medusa"
     heads = load_medusa_heads(folder, target.model)
@@ -77,10 +77,10 @@ def eagle3_acceptance(target, prompts: list[list[int]], vocab: str) -> dict:
 
 
 def costs(target, reps: int, rounds: int) -> dict:
-    from verispec.draft_vocab import load_draft_vocab
-    from verispec.drafters.eagle import draft_costs
-    from verispec.drafters.eagle_head import HeadKind
-    from verispec.drafters.medusa import draft_cost
+    from verispec.drafting.draft_vocab import load_draft_vocab
+    from verispec.drafting.eagle import draft_costs
+    from verispec.drafting.eagle_head import HeadKind
+    from verispec.drafting.medusa import draft_cost
     from verispec.formats import load_eagle_head, load_medusa_heads
     e3_folder, md_folder = ROOT / "smollm2-135m-eagle3", ROOT / "smollm2-135m-medusa"
     made = {}

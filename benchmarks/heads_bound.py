@@ -36,12 +36,12 @@ TARGETS = (1.0, 1.3, 1.6, 2.0)
 
 
 def uniform(alpha: float, depth: int = 8):
-    from verispec.draft_shape import AcceptanceProfile
+    from verispec.drafting.draft_shape import AcceptanceProfile
     return AcceptanceProfile(tuple((alpha,) for _ in range(depth)), f"uniform alpha {alpha:.3f}")
 
 
 def best_for(alpha: float, costs, max_depth: int):
-    from verispec.draft_shape import best_tree
+    from verispec.drafting.draft_shape import best_tree
     return best_tree(uniform(alpha, max_depth), costs, max_depth=max_depth, max_width=1)
 
 
@@ -62,14 +62,14 @@ def alpha_needed(goal: float, costs, max_depth: int) -> float | None:
 def measure(reps: int) -> dict:
     import torch
 
-    from verispec.draft_shape import AcceptanceProfile, StepCosts, best_tree, measure_verify
-    from verispec.drafters.eagle import draft_costs
-    from verispec.drafters.eagle_head import HeadKind
-    from verispec.drafters.medusa import draft_cost
+    from verispec.drafting.draft_shape import AcceptanceProfile, StepCosts, best_tree, measure_verify
+    from verispec.drafting.eagle import draft_costs
+    from verispec.drafting.eagle_head import HeadKind
+    from verispec.drafting.medusa import draft_cost
     from verispec.formats import load_eagle_head, load_medusa_heads
     from verispec.models.loading import load_model
-    from verispec.draft_shape import target_step
-    from verispec.draft_vocab import FOLDER_FILE, load_draft_vocab
+    from verispec.drafting.draft_shape import target_step
+    from verispec.drafting.draft_vocab import FOLDER_FILE, load_draft_vocab
     from verispec.models.compiled import CompiledForward
     torch.set_num_threads(2)
     target = load_model("smollm2-135m", weights="fp16")
@@ -144,7 +144,7 @@ def prefill_share(target, max_tokens: int = 128) -> dict:
 
 
 def _chain_ms(costs, k: int) -> float:
-    from verispec.draft_shape import tree_cost
+    from verispec.drafting.draft_shape import tree_cost
     return tree_cost(tuple(tuple([0] * i) for i in range(1, k + 1)), costs)
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from machine import machine_info, parse_result_args, write_result  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
-from verispec.engine import Sequence  # noqa: E402
+from verispec.core.engine import Sequence  # noqa: E402
 from verispec.models.loading import load_model  # noqa: E402
 
 SYSTEM = """You are Verity, the customer support assistant of Northwind Outfitters, an online shop \

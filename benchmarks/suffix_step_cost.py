@@ -19,9 +19,9 @@ from machine import machine_info, parse_result_args, write_result  # noqa: E402
 
 
 def measure(repetitive: bool, steps: int = 200) -> dict:
-    from verispec.drafters.base import DraftRequest
-    from verispec.drafters.suffix import SuffixCache, SuffixDrafter
-    from verispec.params import SamplingParams
+    from verispec.drafting.base import DraftRequest
+    from verispec.drafting.suffix import SuffixCache, SuffixDrafter
+    from verispec.core.params import SamplingParams
     rnd = random.Random(0)
     base = [rnd.randrange(49152) for _ in range(400 if repetitive else 2000)]
     prompt = list(itertools.islice(itertools.cycle(base), 2000))

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-from verispec.drafters.dynamic_tree import DynamicTreeConfig, rank
-from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind, init_head_weights, new_eagle_head
+from verispec.drafting.dynamic_tree import DynamicTreeConfig, rank
+from verispec.drafting.eagle_head import EagleHeadConfig, HeadKind, init_head_weights, new_eagle_head
 from verispec.models.kv_cache import KVCache
 from verispec.models.loading import load_model
-from verispec.tree import DraftTree
+from verispec.core.tree import DraftTree
 
 TREE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 LEVEL_NODES = (1, 4, 8)

@@ -18,7 +18,7 @@ TEST_DEVICE = os.environ.get("VERISPEC_TEST_DEVICE", "cpu")
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     """The device the session's models run on (``VERISPEC_TEST_DEVICE``, default cpu)."""
-    from verispec.device import resolve_device
+    from verispec.models.device import resolve_device
     return resolve_device(TEST_DEVICE)
 
 

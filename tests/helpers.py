@@ -34,8 +34,8 @@ def assert_same_or_tie(model, prompt: list[int], got: list[int], want: list[int]
 def accept_first_children(tree, logits, params, g):
     """A deliberately broken verifier (accepts every first child, then samples the target at the
     last node): statistical tests must reject it, which shows they can fail."""
-    from verispec.sampling import target_probs
-    from verispec.verify import AcceptResult
+    from verispec.core.sampling import target_probs
+    from verispec.core.verify import AcceptResult
     kids = tree.children()
     cur, nodes = -1, []
     while kids[cur + 1]:
@@ -78,7 +78,7 @@ def randomise(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 def tiny_head_config(kind, vocab: int, hidden: int, layers: int, **overrides):
     """An ``EagleHeadConfig`` for a ``tiny_llama`` target (4 heads of 8, 2 KV heads; EAGLE-3: the
     default aux layers), with ``overrides``."""
-    from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind
+    from verispec.drafting.eagle_head import EagleHeadConfig, HeadKind
     eagle3 = HeadKind(kind) is HeadKind.EAGLE3
     base = dict(kind=kind, hidden_size=hidden, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
                 vocab_size=vocab, draft_vocab_size=vocab, target_hidden_size=hidden, target_num_layers=layers,

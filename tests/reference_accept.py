@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from verispec.tree import DraftTree
-from verispec.verify import AcceptResult, sample_inverse_cdf
+from verispec.core.tree import DraftTree
+from verispec.core.verify import AcceptResult, sample_inverse_cdf
 
 
 def reference_greedy(tree: DraftTree, logits: torch.Tensor) -> AcceptResult:

@@ -51,8 +51,8 @@ def test_audit_fails_on_a_broken_verifier(target, prompts):
 
 
 def test_greedy_difference_that_is_no_tie_fails(target, prompts):
-    from verispec.drafters import StatelessDrafter, register
-    from verispec.tree import DraftTree
+    from verispec.drafting import StatelessDrafter, register
+    from verispec.core.tree import DraftTree
 
     class Wrong(StatelessDrafter):
         max_tree_nodes = 1

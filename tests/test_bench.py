@@ -12,7 +12,7 @@ from verispec.bench import runner as runner_mod
 from verispec.bench.peers import stats_from_forwards
 from verispec.bench.report import PLOTS, write_report
 from verispec.bench.runner import BenchConfig, Group, Turn, make_groups, resolve_methods, run_benchmark
-from verispec.metrics import SpecStats
+from verispec.core.metrics import SpecStats
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FILES = ("results.json", "report.md") + PLOTS

@@ -13,13 +13,13 @@ from helpers import tiny_llama
 from verispec.formats import (CheckpointError, MedusaLayout, load_eagle_head, load_medusa_heads,
                                   new_eagle_head, save_eagle_head, save_medusa_heads, write_config,
                                   write_tensors)
-from verispec.drafters.base import DraftRequest, TargetFeatures
-from verispec.drafters.dynamic_tree import DynamicTreeConfig, StaticTreeConfig
-from verispec.drafters.eagle import EagleDrafter
-from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind, init_head_weights
-from verispec.drafters.medusa import MedusaDrafter
-from verispec.drafters.medusa_head import MedusaConfig, MedusaHeads
-from verispec.sampling import SamplingParams
+from verispec.drafting.base import DraftRequest, TargetFeatures
+from verispec.drafting.dynamic_tree import DynamicTreeConfig, StaticTreeConfig
+from verispec.drafting.eagle import EagleDrafter
+from verispec.drafting.eagle_head import EagleHeadConfig, HeadKind, init_head_weights
+from verispec.drafting.medusa import MedusaDrafter
+from verispec.drafting.medusa_head import MedusaConfig, MedusaHeads
+from verispec.core.sampling import SamplingParams
 
 V, H, L = 24, 32, 6           # tiny target: vocab, hidden, layers
 DRAFT_IDS = torch.tensor([0, 1, 2, 4, 5, 7, 8, 10, 11, 13, 16, 17, 19, 20, 22, 23])

@@ -9,11 +9,11 @@ import torch
 
 from helpers import tiny_llama
 from verispec import SamplingParams
-from verispec.drafters.draft_model import DraftModelDrafter
-from verispec.engine import Engine, Sequence
+from verispec.drafting.draft_model import DraftModelDrafter
+from verispec.core.engine import Engine, Sequence
 from verispec.models.compiled import CompiledForward
 from verispec.models.kv_cache import KVCache
-from verispec.tree import DraftTree
+from verispec.core.tree import DraftTree
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +238,7 @@ def test_a_compiled_draft_model_proposes_what_the_eager_one_does(tiny):
 
 def test_llm_compiles_its_draft_model_unless_told_not_to(packed_target):
     from verispec import LLM
-    from verispec.spec_config import SpecConfigError, SpeculativeConfig
+    from verispec.drafting.spec_config import SpecConfigError, SpeculativeConfig
     cfg = {"method": "draft_model", "model": "self", "self_draft_layers": 1}
     assert LLM(loaded=packed_target, compile=True, speculative_config=cfg).spec.draft_compile is True
     assert LLM(loaded=packed_target, speculative_config=cfg).spec.draft_compile is None      # eager target

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from verispec import LLM, SamplingParams
-from verispec.detokenizer import IncrementalDetokenizer, cut_at_stop
+from verispec.core.detokenizer import IncrementalDetokenizer, cut_at_stop
 
 TEXT = ("Hello world! Ünïcödé, emoji 🙂🚀 and 中文字符, code `x = f(y) -> z`, newlines\n\n"
         "and tabs\tand spaces   here. Done.")

@@ -13,7 +13,7 @@ import torch
 
 from device_guard import FactoryDeviceGuard
 from verispec import LLM, SamplingParams
-from verispec.device import device_type, resolve_device, same_device
+from verispec.models.device import device_type, resolve_device, same_device
 from verispec.models.loading import check_weights, load_model
 
 HERE = Path(__file__).parent
@@ -97,7 +97,7 @@ def test_engine_cache_generators_and_drafter_live_on_the_models_device(target, d
     assert seq.generator.device == engine.device
     with pytest.raises(ValueError, match="loaded model lives on"):
         LLM(loaded=target, device="meta")
-    from verispec.engine import Engine
+    from verispec.core.engine import Engine
     with pytest.raises(ValueError, match="differs from the model's"):
         Engine(target.model, max_batch=1, max_len=8, device="meta")
 
@@ -304,8 +304,8 @@ def _broken(module, old: str, new: str) -> dict:
 def test_guard_fails_when_one_device_argument_is_removed(target, monkeypatch):
     """Two deliberate regressions: the logits pipeline's row depths (min_tokens) and the n-gram
     drafter's tree made without ``device=``; each is caught at its line, the intact code is not."""
-    import verispec.drafters.ngram as ngram
-    import verispec.logits as logits
+    import verispec.drafting.ngram as ngram
+    import verispec.core.logits as logits
     llm = LLM(loaded=target, speculative_config=SPECS["ngram"])
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=4)
     prompt = "one two three one two three one two"

@@ -1,4 +1,4 @@
-"""Adaptive drafting (``verispec.draft_gate``): the per-sequence decisions, the measured
+"""Adaptive drafting (``verispec.drafting.draft_gate``): the per-sequence decisions, the measured
 break-even, the configs that turn it on and off, and the engine staying lossless while rows
 switch between drafted and plain steps."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from helpers import assert_same_or_tie
 
 from verispec import LLM, SamplingParams
-from verispec.draft_gate import DraftGate, GateConfig, GateOption, Mode
-from verispec.draft_shape import AcceptanceProfile, StepCosts, gate_options, modelled_shape, tree_cost
-from verispec.spec_config import SpecConfigError, SpeculativeConfig
+from verispec.drafting.draft_gate import DraftGate, GateConfig, GateOption, Mode
+from verispec.drafting.draft_shape import AcceptanceProfile, StepCosts, gate_options, modelled_shape, tree_cost
+from verispec.drafting.spec_config import SpecConfigError, SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[1] / "checkpoints"
 

@@ -1,4 +1,4 @@
-"""Draft shapes from measured costs (``verispec.draft_shape``): the profile, the cost model, the
+"""Draft shapes from measured costs (``verispec.drafting.draft_shape``): the profile, the cost model, the
 best tree, the cost cache, and the default EAGLE-3 config choosing its tree on the real head."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from helpers import assert_same_or_tie
 
 from verispec import LLM, SamplingParams
-from verispec.draft_shape import (AcceptanceProfile, StepCosts, best_paths, best_tree, cached_costs,
+from verispec.drafting.draft_shape import (AcceptanceProfile, StepCosts, best_paths, best_tree, cached_costs,
                                   tree_cost, _interpolate)
-from verispec.tree import validate_choices
+from verispec.core.tree import validate_choices
 
 ROOT = Path(__file__).resolve().parents[1] / "checkpoints"
 
@@ -105,7 +105,7 @@ def test_a_shape_that_does_not_pay_is_reported(tmp_path, monkeypatch, caplog):
     warning from choose_shape say so (a strong head on the same costs does not warn)."""
     import torch.nn as nn
 
-    import verispec.draft_shape as ds
+    import verispec.drafting.draft_shape as ds
     steep = StepCosts(verify=((1, 20.0), (2, 30.0), (8, 90.0)), draft_fixed=3.0, level=((1, 3.0),))
     monkeypatch.setattr(ds, "cached_costs", lambda key, measure: steep)
     target = type("T", (), {"model": nn.Linear(2, 2), "name": "stub", "weights": "fp16"})()
@@ -154,7 +154,7 @@ def test_verify_costs_are_measured_on_the_forward_the_engine_runs():
     from the forward the engines run (``forward``), and the cost cache keeps the two apart."""
     from helpers import tiny_llama
 
-    import verispec.draft_shape as ds
+    import verispec.drafting.draft_shape as ds
     model = tiny_llama(48, 32, 1, seed=5)
     seen = []
 

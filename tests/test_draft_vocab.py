@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from helpers import tiny_llama
-from verispec.draft_vocab import DraftVocab, load_draft_vocab, save_draft_vocab
-from verispec.drafters.base import DraftRequest
-from verispec.drafters.draft_model import DraftModelDrafter, with_vocab_head
-from verispec.engine import Engine, Sequence
-from verispec.sampling import SamplingParams
-from verispec.spec_config import SpecConfigError
+from verispec.drafting.draft_vocab import DraftVocab, load_draft_vocab, save_draft_vocab
+from verispec.drafting.base import DraftRequest
+from verispec.drafting.draft_model import DraftModelDrafter, with_vocab_head
+from verispec.core.engine import Engine, Sequence
+from verispec.core.sampling import SamplingParams
+from verispec.drafting.spec_config import SpecConfigError
 
 pytestmark = pytest.mark.usefixtures("module_single_thread")
 IDS = [0, 3, 4, 7, 10, 11, 20, 31]

@@ -8,8 +8,8 @@ import zlib
 import pytest
 import torch
 
-from verispec.drafters.dynamic_tree import DynamicTreeConfig, RankBy, StaticTreeConfig, rank
-from verispec.tree import tree_from_choices
+from verispec.drafting.dynamic_tree import DynamicTreeConfig, RankBy, StaticTreeConfig, rank
+from verispec.core.tree import tree_from_choices
 
 
 def random_table(vocab: int, seed: int):
@@ -155,7 +155,7 @@ def test_default_budget_is_the_benchmarked_one():
     """The default node budget is the one benchmarks/tree_cost.py chose and recorded."""
     import json
     from pathlib import Path
-    from verispec.drafters.dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS
+    from verispec.drafting.dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS
     res = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "tree_cost.json"
     if not res.exists():
         pytest.skip("benchmarks/results/tree_cost.json not generated")

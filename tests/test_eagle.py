@@ -12,15 +12,15 @@ import torch.nn.functional as F
 from helpers import HEAD_TOKENS, assert_same_or_tie
 from verispec import LLM, SamplingParams
 from verispec.formats import new_eagle_head, save_eagle_head
-from verispec.drafters.base import DraftRequest, TargetFeatures
-from verispec.drafters.dynamic_tree import DynamicTreeConfig, StaticTreeConfig
-from verispec.drafters.eagle import EagleDrafter
-from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind, init_head_weights
-from verispec.engine import Engine, Sequence
+from verispec.drafting.base import DraftRequest, TargetFeatures
+from verispec.drafting.dynamic_tree import DynamicTreeConfig, StaticTreeConfig
+from verispec.drafting.eagle import EagleDrafter
+from verispec.drafting.eagle_head import EagleHeadConfig, HeadKind, init_head_weights
+from verispec.core.engine import Engine, Sequence
 from verispec.models.config import ModelConfig
 from verispec.models.transformer import Transformer
-from verispec.sampling import target_probs
-from verispec.spec_config import SpecConfigError
+from verispec.core.sampling import target_probs
+from verispec.drafting.spec_config import SpecConfigError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=HEAD_TOKENS)
 SMALL_DYNAMIC = {"topk": 3, "depth": 4, "num_draft_tokens": 8}
@@ -342,7 +342,7 @@ def test_sampling_is_lossless_real_model(target, prompts, heads):
 
 # -- configuration ------------------------------------------------------------------------------
 def test_config_errors(target, heads, monkeypatch):
-    monkeypatch.setattr("verispec.shipped.shipped_head", lambda *a: None)     # as if no head were shipped
+    monkeypatch.setattr("verispec.drafting.shipped.shipped_head", lambda *a: None)     # as if no head were shipped
     with pytest.raises(SpecConfigError, match="needs 'model'.*no eagle3 head is shipped"):
         LLM(loaded=target, speculative_config={"method": "eagle3"})
     with pytest.raises(SpecConfigError, match="no config.json|not a folder"):
@@ -393,7 +393,7 @@ def test_reduced_vocab_greedy_equals_vanilla(target, prompts, vanilla, heads, tm
     """A head folder's draft_vocab.safetensors is used by default ('full' turns it off); greedy
     output stays vanilla's and, holding the texts' tokens, acceptance stays high."""
     import shutil
-    from verispec.draft_vocab import DraftVocab, save_draft_vocab
+    from verispec.drafting.draft_vocab import DraftVocab, save_draft_vocab
     folder = tmp_path / "e3_cut"
     shutil.copytree(heads["e3_trained"], folder)
     seen = sorted({t for p, v in zip(prompts, vanilla) for t in p + v})
@@ -417,7 +417,7 @@ def test_eagle1_vocab_cut_reads_the_target_rows(target, prompts, vanilla, heads,
     full read's columns, its draft ids map to those target ids, the target's head is untouched, and
     greedy output stays vanilla's."""
     import shutil
-    from verispec.draft_vocab import DraftVocab, save_draft_vocab
+    from verispec.drafting.draft_vocab import DraftVocab, save_draft_vocab
     m = target.model
     head = random_head(m, HeadKind.EAGLE1, seed=6, fc_bias=True)
     tokens, pos = torch.tensor([[5, 9, 11]]), torch.arange(3)[None]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from helpers import tiny_llama
-from verispec.acceptance import LOSSLESS, AcceptanceRule, LosslessAcceptance, LossyTypicalAcceptance
-from verispec.drafters import StatelessDrafter
-from verispec.engine import Engine, Sequence
-from verispec.params import SamplingParams
-from verispec.tree import DraftTree
+from verispec.core.acceptance import LOSSLESS, AcceptanceRule, LosslessAcceptance, LossyTypicalAcceptance
+from verispec.drafting import StatelessDrafter
+from verispec.core.engine import Engine, Sequence
+from verispec.core.params import SamplingParams
+from verispec.core.tree import DraftTree
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "verispec"
 ENGINE_FIELDS = {"free_rows", "cache", "running", "_drafter", "acceptance", "stats", "eos", "max_context", "model"}

@@ -14,8 +14,8 @@ from helpers import tiny_llama
 from verispec.formats import (CheckpointError, MedusaLayout, load_eagle_head, load_medusa_heads,
                                   new_eagle_head, read_tensors, save_eagle_head, save_medusa_heads,
                                   write_tensors)
-from verispec.drafters.eagle_head import EagleHeadConfig, HeadKind, init_head_weights
-from verispec.drafters.medusa_head import MedusaConfig, MedusaHeads
+from verispec.drafting.eagle_head import EagleHeadConfig, HeadKind, init_head_weights
+from verispec.drafting.medusa_head import MedusaConfig, MedusaHeads
 from verispec.train.export import (ExportFormat, ExportWarning, SourceKind, detect_source, export,
                                    export_checkpoint)
 

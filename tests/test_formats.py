@@ -11,13 +11,13 @@ import torch
 
 from helpers import randomise, tiny_head_config, tiny_llama
 
-from verispec.drafters import build_drafter_factory
-from verispec.drafters.eagle_head import HeadKind, new_eagle_head
-from verispec.drafters.medusa_head import MedusaConfig, MedusaHeads
+from verispec.drafting import build_drafter_factory
+from verispec.drafting.eagle_head import HeadKind, new_eagle_head
+from verispec.drafting.medusa_head import MedusaConfig, MedusaHeads
 from verispec.formats import (CheckpointError, MedusaLayout, eagle1, eagle3, medusa, read_config, read_tensors,
                               write_config, write_tensors)
 from verispec.models.packed import WeightFormat
-from verispec.spec_config import SpeculativeConfig
+from verispec.drafting.spec_config import SpeculativeConfig
 from verispec.train.export import export
 
 V, H, L = 24, 32, 8

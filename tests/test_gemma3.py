@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec.drafters import self_draft
-from verispec.drafters.draft_model import DraftModelDrafter
-from verispec.drafters.ngram import NgramDrafter
-from verispec.engine import Engine, Sequence
+from verispec.drafting import self_draft
+from verispec.drafting.draft_model import DraftModelDrafter
+from verispec.drafting.ngram import NgramDrafter
+from verispec.core.engine import Engine, Sequence
 from verispec.models.config import ModelConfig, UnsupportedModelError
 from verispec.models.kv_cache import KVCache
 from verispec.models.loading import load_model
-from verispec.sampling import SamplingParams
+from verispec.core.sampling import SamplingParams
 
 WINDOW = 6
 

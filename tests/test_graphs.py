@@ -10,7 +10,7 @@ import torch
 from helpers import tiny_llama
 from verispec.models.graphs import GraphedForward, eager_capture
 from verispec.models.kv_cache import KVCache
-from verispec.tree import DraftTree, pack_trees
+from verispec.core.tree import DraftTree, pack_trees
 
 VOCAB = 64
 ACCEPTED = {0: [0, 1, 2], 1: [0, 1], 2: [0, 3]}

@@ -60,8 +60,8 @@ def _greedy_hf(hf, prompt, n):
 
 
 def _greedy_ours(ours, prompt, n, drafter=None):
-    from verispec.engine import Engine, Sequence
-    from verispec.params import SamplingParams
+    from verispec.core.engine import Engine, Sequence
+    from verispec.core.params import SamplingParams
     engine = Engine(ours.model, drafter, max_batch=1, max_len=len(prompt) + n + 16)
     seq = Sequence(prompt_ids=prompt, params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     with torch.no_grad():
@@ -100,7 +100,7 @@ def test_greedy_equals_transformers(which, request):
 
 @pytest.mark.parametrize("which", ["tiny_llama3", "tiny_mistral"])
 def test_ngram_speculation_equals_vanilla(which, request):
-    from verispec.drafters.ngram import NgramDrafter
+    from verispec.drafting.ngram import NgramDrafter
     ours = request.getfixturevalue(which)[0]
     prompt = [5, 6, 7, 8, 9, 10] * 4
     want, _ = _greedy_ours(ours, prompt, 32)

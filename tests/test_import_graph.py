@@ -110,7 +110,7 @@ def test_graph_sees_the_package():
     graph = import_graph()
     assert len(graph) > 50
     assert "verispec.formats.eagle3" in graph["verispec.train.export"]       # absolute-relative resolution
-    assert "verispec.formats" in graph["verispec.drafters.medusa"]           # function-level import
+    assert "verispec.formats" in graph["verispec.drafting.medusa"]           # function-level import
     assert "verispec.llm" in graph["verispec"]                               # package __init__
 
 

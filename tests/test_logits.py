@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from verispec.logits import (AllowedTokens, FrequencyPresencePenalty, LogitBias, LogitsPipeline, MinTokens,
+from verispec.core.logits import (AllowedTokens, FrequencyPresencePenalty, LogitBias, LogitsPipeline, MinTokens,
                              RepetitionPenalty, target_probs)
-from verispec.params import SamplingParams
-from verispec.structured import StructuredOutputsParams
-from verispec.tree import DraftTree
+from verispec.core.params import SamplingParams
+from verispec.core.structured import StructuredOutputsParams
+from verispec.core.tree import DraftTree
 
 # A different valid value for every SamplingParams field (the key test below needs one per field).
 OTHER = {"temperature": 0.5, "top_p": 0.9, "top_k": 5, "max_tokens": 17, "seed": 3, "stop": ["x"],

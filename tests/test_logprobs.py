@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from verispec import LLM, SamplingParams
-from verispec.logprobs import token_logprobs
+from verispec.core.logprobs import token_logprobs
 
 SELF_DRAFT = {"method": "draft_model", "model": "self", "self_draft_layers": 6, "num_speculative_tokens": 3}
 
@@ -91,7 +91,7 @@ def test_logprobs_are_the_raw_distribution_and_follow_stops(target, llm):
 def test_prompt_logprobs_equal_a_full_forward(target, monkeypatch, chunk):
     """Entries for prompt tokens 1..n-1 from the prefill (also across prefill chunks), in a batch
     with a request that does not ask for them."""
-    import verispec.engine as eng
+    import verispec.core.engine as eng
     monkeypatch.setattr(eng, "PREFILL_CHUNK", chunk)
     llm = LLM(loaded=target, max_num_seqs=2, speculative_config={"method": "ngram"})
     ids = llm.encode_prompt("Speculative decoding drafts tokens cheaply and verifies them at once.")[1]

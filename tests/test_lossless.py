@@ -19,9 +19,9 @@ import torch
 from scipy.stats import chisquare
 
 from helpers import accept_first_children
-from verispec.sampling import SamplingParams, target_probs
-from verispec.tree import DraftTree
-from verispec.verify import accept
+from verispec.core.sampling import SamplingParams, target_probs
+from verispec.core.tree import DraftTree
+from verispec.core.verify import accept
 
 V, L, N = 4, 3, 6000
 P_BOUND = 1e-3

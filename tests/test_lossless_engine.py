@@ -16,15 +16,15 @@ import torch
 from scipy.stats import chisquare
 
 from helpers import BrokenAcceptance
-from verispec.drafters.draft_model import DraftModelDrafter, with_vocab_head
-from verispec.drafters.ngram import NgramDrafter
-from verispec.engine import Engine, Sequence
+from verispec.drafting.draft_model import DraftModelDrafter, with_vocab_head
+from verispec.drafting.ngram import NgramDrafter
+from verispec.core.engine import Engine, Sequence
 from verispec.models.config import ModelConfig
 from verispec.models.kv_cache import KVCache
 from verispec.models.transformer import Transformer
-from verispec.sampling import SamplingParams, target_probs
-from verispec.tree import DraftTree
-from verispec.verify import accept, accept_from_probs
+from verispec.core.sampling import SamplingParams, target_probs
+from verispec.core.tree import DraftTree
+from verispec.core.verify import accept, accept_from_probs
 
 P_BOUND = 1e-3
 
@@ -86,7 +86,7 @@ def _exact_tiny(model, prompt, params, length=3) -> dict:
     (None, 1.0, 1.0, None, 0.3),        # chains cut after a draft token below probability 0.3: ragged lengths
 ])
 def test_engine_is_lossless_with_tiny_models(tree, temperature, top_p, draft_ids, stop, single_thread):
-    from verispec.draft_vocab import DraftVocab
+    from verispec.drafting.draft_vocab import DraftVocab
     target, draft = _tiny(0), _tiny(0, noise=0.3)
     prompt = [1, 2, 3, 1, 2]
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=5, ignore_eos=True)
@@ -191,7 +191,7 @@ def test_real_model_ngram_tree_is_lossless(target, real_context):
 
 
 def test_real_model_sampled_self_draft_is_lossless(target, real_context):
-    from verispec.drafters import self_draft
+    from verispec.drafting import self_draft
     params = SamplingParams(temperature=0.7, top_k=20, max_tokens=4)
     step = _RealModelStep(target, real_context, params)
     draft = self_draft(target.model, 10)

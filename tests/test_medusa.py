@@ -12,15 +12,15 @@ import torch.nn.functional as F
 from helpers import HEAD_TOKENS, assert_same_or_tie
 from verispec import LLM, SamplingParams
 from verispec.formats import MedusaLayout, save_medusa_heads
-from verispec.drafters.base import DraftRequest, TargetFeatures
-from verispec.drafters.dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
-from verispec.acceptance import LOSSLESS, LossyTypicalAcceptance
-from verispec.drafters.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDrafter
-from verispec.drafters.medusa_head import MedusaConfig, MedusaHeads
-from verispec.sampling import target_probs
-from verispec.spec_config import SpecConfigError
-from verispec.tree import DraftTree, validate_choices
-from verispec.verify import accept_greedy
+from verispec.drafting.base import DraftRequest, TargetFeatures
+from verispec.drafting.dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
+from verispec.core.acceptance import LOSSLESS, LossyTypicalAcceptance
+from verispec.drafting.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDrafter
+from verispec.drafting.medusa_head import MedusaConfig, MedusaHeads
+from verispec.core.sampling import target_probs
+from verispec.drafting.spec_config import SpecConfigError
+from verispec.core.tree import DraftTree, validate_choices
+from verispec.core.verify import accept_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=HEAD_TOKENS)
 SMALL_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -184,7 +184,7 @@ def test_typical_acceptance_is_lossy_and_opt_in(target, folders):
 
 
 def test_config_errors(target, folders, monkeypatch):
-    monkeypatch.setattr("verispec.shipped.shipped_head", lambda *a: None)     # as if no head were shipped
+    monkeypatch.setattr("verispec.drafting.shipped.shipped_head", lambda *a: None)     # as if no head were shipped
     fd = str(folders["random_fd"])
     bad = [({"method": "medusa"}, "needs 'model'"),
            ({"method": "medusa", "model": fd, "topk": 4}, "'topk' applies to method 'eagle' / 'eagle3'"),
@@ -198,7 +198,7 @@ def test_config_errors(target, folders, monkeypatch):
 
 
 def _vocab_file(path, ids, vocab_size):
-    from verispec.draft_vocab import DraftVocab, save_draft_vocab
+    from verispec.drafting.draft_vocab import DraftVocab, save_draft_vocab
     return save_draft_vocab(DraftVocab.from_ids(torch.tensor(ids), vocab_size), path)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from verispec.drafters.base import DraftRequest
-from verispec.drafters.ngram import NgramDrafter
-from verispec.sampling import SamplingParams
+from verispec.drafting.base import DraftRequest
+from verispec.drafting.ngram import NgramDrafter
+from verispec.core.sampling import SamplingParams
 
 
 def _propose(drafter, context, max_nodes=None):
@@ -57,7 +57,7 @@ def test_draft_confidence_threshold_cuts_chains(single_thread):
     threshold keeps every chain at full length; rows of one batch stop independently."""
     import torch
     from helpers import tiny_llama
-    from verispec.drafters.draft_model import DraftModelDrafter
+    from verispec.drafting.draft_model import DraftModelDrafter
     model = tiny_llama(32, 16, 2)
     reqs = [DraftRequest(r, [1, 2, 3, 4 + r], SamplingParams(temperature=0), None) for r in range(3)]
     full = DraftModelDrafter(model, max_batch=3, max_len=32, num_speculative_tokens=4, confidence_threshold=1e-9)

@@ -15,7 +15,7 @@ from verispec import LLM, SamplingParams
 from verispec.models.loading import load_model
 from verispec.models import fp16_kernel
 from verispec.models.packed import PackedFP16Linear, WeightFormat, fp16_packing_available, shared_reader
-from verispec.tree import DraftTree
+from verispec.core.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(not fp16_packing_available(), reason="no FBGEMM fp16 kernels here")
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from verispec import LLM, SamplingParams
-from verispec.logits import LogitsPipeline
-from verispec.sampling import target_probs
-from verispec.tree import DraftTree
+from verispec.core.logits import LogitsPipeline
+from verispec.core.sampling import target_probs
+from verispec.core.tree import DraftTree
 
 
 def apply_penalties(logits, p, prompt, output, tree=None):

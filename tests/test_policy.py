@@ -13,9 +13,9 @@ import random
 import pytest
 import torch
 
-from verispec.sampling import SamplingParams
+from verispec.core.sampling import SamplingParams
 from verispec.serve.policy import AutoPolicy, StaticPolicy, TablePolicy, parse_policy
-from verispec.tree import DraftTree
+from verispec.core.tree import DraftTree
 
 
 def cheap(batch: int, k: int) -> float:
@@ -254,8 +254,8 @@ def test_prefers_the_faster_budget_and_rechecks_rarely():
 def test_engine_reports_the_rows_of_the_padded_verify_forward(single_thread):
     """The rows a policy is told are those the verify forward ran: batch x (1 + longest tree)."""
     from helpers import tiny_llama
-    from verispec.drafters import StatelessDrafter
-    from verispec.engine import Engine, Sequence
+    from verispec.drafting import StatelessDrafter
+    from verispec.core.engine import Engine, Sequence
 
     class Sizes(StatelessDrafter):
         max_tree_nodes = 4

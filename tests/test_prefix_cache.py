@@ -12,11 +12,11 @@ import torch
 
 from helpers import assert_same_or_tie, tiny_llama
 from verispec import LLM, SamplingParams
-from verispec.drafters import StatelessDrafter
-from verispec.engine import Engine, Sequence
+from verispec.drafting import StatelessDrafter
+from verispec.core.engine import Engine, Sequence
 from verispec.models.kv_cache import KVCache
-from verispec.prefix_cache import CacheLayout, PrefixCache, block_keys, num_positions
-from verispec.tree import DraftTree
+from verispec.core.prefix_cache import CacheLayout, PrefixCache, block_keys, num_positions
+from verispec.core.tree import DraftTree
 
 BS = 4                                   # block size of the unit tests
 LAYOUT = CacheLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -87,7 +87,7 @@ def test_bytes_are_counted_exactly_with_features():
     layout = CacheLayout(2, 2, 8, torch.float32, hidden_layers=(0, 1), last_hidden=True)
     pc = PrefixCache(10 ** 6, BS)
     pc.bind(layout)
-    from verispec.drafters.base import TargetFeatures
+    from verispec.drafting.base import TargetFeatures
     feats = TargetFeatures({0: torch.randn(9, 6), 1: torch.randn(9, 6)}, torch.randn(9, 6).to(torch.bfloat16))
     assert pc.insert(toks, _filled(toks), 0, feats) == 2
     want = 2 * (BLOCK_BYTES + 2 * BS * 6 * 4 + BS * 6 * 2)

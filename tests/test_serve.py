@@ -28,12 +28,12 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
-from verispec.drafters.ngram import NgramDrafter  # noqa: E402
-from verispec.engine import Engine, Sequence  # noqa: E402
+from verispec.drafting.ngram import NgramDrafter  # noqa: E402
+from verispec.core.engine import Engine, Sequence  # noqa: E402
 from verispec.serve.app import ServeConfig, create_app  # noqa: E402
 from verispec.serve.policy import (AutoPolicy, StaticPolicy, TablePolicy,  # noqa: E402
                                    parse_policy)  # AutoPolicy's own tests: tests/test_policy.py
-from verispec.tree import DraftTree  # noqa: E402
+from verispec.core.tree import DraftTree  # noqa: E402
 
 MODEL = "smollm2-135m"
 KEY = "sk-test-7f3a"

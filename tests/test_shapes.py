@@ -11,7 +11,7 @@ from helpers import randomise, tiny_llama
 from verispec.models.config import ModelConfig
 from verispec.models.kv_cache import CacheFullError, KVCache, bucket_len
 from verispec.models.transformer import Transformer
-from verispec.tree import DraftTree, pack_trees
+from verispec.core.tree import DraftTree, pack_trees
 
 VOCAB, GRANULE = 64, 16
 

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from helpers import assert_same_or_tie
 
 from verispec import LLM, SamplingParams
-from verispec.shipped import shipped_head
+from verispec.drafting.shipped import shipped_head
 
 ROOT = Path(__file__).resolve().parents[1] / "checkpoints"
 METHODS = ("eagle3", "medusa", "eagle")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from verispec import LLM, SamplingParams
-from verispec.drafters import registered
-from verispec.spec_config import METHOD_CONFIGS, SpecConfigError, SpeculativeConfig
+from verispec.drafting import registered
+from verispec.drafting.spec_config import METHOD_CONFIGS, SpecConfigError, SpeculativeConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

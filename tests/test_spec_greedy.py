@@ -18,8 +18,8 @@ import torch
 
 from helpers import assert_same_or_tie
 from verispec import LLM, SamplingParams
-from verispec.drafters import StatelessDrafter, register
-from verispec.tree import DraftTree
+from verispec.drafting import StatelessDrafter, register
+from verispec.core.tree import DraftTree
 
 MAX_TOKENS = 96
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)

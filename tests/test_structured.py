@@ -12,12 +12,12 @@ import torch
 from scipy.stats import chisquare
 
 from verispec import LLM, SamplingParams
-from verispec.drafters.base import StatelessDrafter
-from verispec.engine import Engine, Sequence
-from verispec.grammar import GrammarCompiler
-from verispec.logits import LogitsPipeline
-from verispec.structured import StructuredOutputError, StructuredOutputsParams as SO
-from verispec.tree import DraftTree
+from verispec.drafting.base import StatelessDrafter
+from verispec.core.engine import Engine, Sequence
+from verispec.core.grammar import GrammarCompiler
+from verispec.core.logits import LogitsPipeline
+from verispec.core.structured import StructuredOutputError, StructuredOutputsParams as SO
+from verispec.core.tree import DraftTree
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -253,7 +253,7 @@ def _constrained_pvalue(compiler, target, with_q: bool, acceptance=None, n: int 
     """p-value of the outputs of sampled speculation on a tiny model under ``[ab]{1,3}`` against
     the exact constrained target."""
     from helpers import tiny_llama
-    from verispec.acceptance import LOSSLESS
+    from verispec.core.acceptance import LOSSLESS
     tok, v = target.tokenizer, target.config.vocab_size
     model = tiny_llama(v, 32, 2, seed=5)       # 30 outputs above 5 expected counts in 2000, none above 0.2
     spec = SO(regex="[ab]{1,3}")

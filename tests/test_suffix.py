@@ -1,4 +1,4 @@
-"""Suffix decoding (``method: "suffix"``, ``verispec.drafters.suffix``).
+"""Suffix decoding (``method: "suffix"``, ``verispec.drafting.suffix``).
 
 1. The config: vLLM's keys and defaults, each bad value a ``SpecConfigError`` naming its key.
 2. The trees (arctic-inference's native suffix tree behind ``SuffixCache``): hand-computed counts
@@ -23,8 +23,8 @@ import torch
 
 from helpers import assert_same_or_tie
 from verispec import LLM, SamplingParams
-from verispec.drafters.base import DraftRequest
-from verispec.spec_config import SpecConfigError, SpeculativeConfig, SuffixConfig
+from verispec.drafting.base import DraftRequest
+from verispec.drafting.spec_config import SpecConfigError, SpeculativeConfig, SuffixConfig
 
 try:
     import arctic_inference.suffix_decoding  # noqa: F401
@@ -72,7 +72,7 @@ def test_config_rejects_other_methods_keys():
 
 
 def test_missing_arctic_inference_is_a_clear_error(monkeypatch):
-    from verispec.drafters import build_drafter_factory
+    from verispec.drafting import build_drafter_factory
     monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", None)     # import fails
     with pytest.raises(SpecConfigError, match="needs arctic-inference.*pip install arctic-inference==0.3.0"):
         build_drafter_factory(SpeculativeConfig.from_dict({"method": "suffix"}), None)
@@ -80,7 +80,7 @@ def test_missing_arctic_inference_is_a_clear_error(monkeypatch):
 
 # ----------------------------------------------------------------------------- 2. the trees
 def _cache(depth=24, cached=10000):
-    from verispec.drafters.suffix import SuffixCache
+    from verispec.drafting.suffix import SuffixCache
     return SuffixCache(depth, cached)
 
 
@@ -267,7 +267,7 @@ def test_random_sequences_match_a_brute_force_reference(seed):
 def test_drafter_learns_every_committed_token_and_caps_nodes():
     """The drafter's trees follow the row's context (the root from ``propose``, accepted tokens
     from ``accept``); ``max_nodes`` and ``num_speculative_tokens`` cap its trees."""
-    from verispec.drafters.suffix import SuffixDrafter
+    from verispec.drafting.suffix import SuffixDrafter
     cache = _cache()
     drafter = SuffixDrafter(cache, num_speculative_tokens=6, max_spec_factor=10.0, min_token_prob=0.0)
     text = [50, 51, 52, 53, 54, 55, 56, 57]
@@ -355,8 +355,8 @@ def test_sampled_output_keeps_the_target_distribution(single_thread):
     global tree: suffix trees with siblings are verified losslessly (chi-square of the first 3
     tokens against the exact target joint)."""
     from test_lossless_engine import P_BOUND, _exact_tiny, _pvalue, _tiny
-    from verispec.drafters.suffix import SuffixDrafter
-    from verispec.engine import Engine, Sequence
+    from verispec.drafting.suffix import SuffixDrafter
+    from verispec.core.engine import Engine, Sequence
 
     class Recording(SuffixDrafter):
         branched = 0

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from train_tiny import VOCAB, tiny_examples, tiny_target, tiny_task
 from verispec.formats import load_eagle_head
-from verispec.drafters.eagle_head import HeadKind
+from verispec.drafting.eagle_head import HeadKind
 from verispec.train.data import (Conversation, load_conversations, split_ids, tokenize_conversation)
 from verispec.train.eagle3 import Eagle3TTT
 from verispec.train.loop import TrainConfig, Trainer, collate

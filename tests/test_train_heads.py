@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from verispec.formats import load_eagle_head, load_medusa_heads
-from verispec.drafters.eagle_head import HeadKind
+from verispec.drafting.eagle_head import HeadKind
 from verispec.models.config import ModelConfig
 from verispec.models.loading import load_model
 from verispec.models.transformer import Transformer

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from verispec.models.kv_cache import KVCache
-from verispec.tree import DraftTree, tree_from_choices, validate_choices
+from verispec.core.tree import DraftTree, tree_from_choices, validate_choices
 
 
 def _prefill(target, ids, extra=16):

@@ -1,4 +1,4 @@
-"""The shared tree pieces of ``verispec.tree``: ``ChoicesFiller`` (every static choices tree:
+"""The shared tree pieces of ``verispec.core.tree``: ``ChoicesFiller`` (every static choices tree:
 ``tree_from_choices``, the EAGLE static builder, the draft model's tree) and ``pack_trees`` (every
 ragged tree forward: the engine's verify, the draft model's levels, the EAGLE head's levels).
 Pure Python/torch, no model."""
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from verispec.tree import ChoicesFiller, DraftTree, pack_trees, tree_from_choices, validate_choices
+from verispec.core.tree import ChoicesFiller, DraftTree, pack_trees, tree_from_choices, validate_choices
 
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 RANKED = {(): [5, 6], (0,): [7, 8, 9], (1,): [4], (0, 0): [3]}      # only 2 candidates at the root

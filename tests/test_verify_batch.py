@@ -18,14 +18,14 @@ import torch
 from helpers import tiny_llama
 from reference_accept import reference_greedy, reference_sampled, reference_typical
 from sync_counter import HostSyncCounter
-from verispec.acceptance import LOSSLESS, LossyTypicalAcceptance
-from verispec.drafters import StatelessDrafter
-from verispec.engine import Engine, Sequence
-from verispec.params import SamplingParams
-from verispec.tree import DraftTree
-from verispec.tree_batch import TreeBatch
+from verispec.core.acceptance import LOSSLESS, LossyTypicalAcceptance
+from verispec.drafting import StatelessDrafter
+from verispec.core.engine import Engine, Sequence
+from verispec.core.params import SamplingParams
+from verispec.core.tree import DraftTree
+from verispec.core.tree_batch import TreeBatch
 from verispec import verify
-from verispec.verify import accept_from_probs_batch, accept_greedy_batch
+from verispec.core.verify import accept_from_probs_batch, accept_greedy_batch
 
 V = 6
 

@@ -1,8 +1,8 @@
 """verispec: lossless speculative decoding. Draft cheaply, verify in one target forward, accept by
 rejection sampling; the output distribution is exactly the target model's."""
 from .llm import LLM, RequestMetrics, RequestOutput
-from .sampling import SamplingParams
-from .spec_config import SpecConfigError, SpeculativeConfig, SpecMethod
+from .core.sampling import SamplingParams
+from .drafting.spec_config import SpecConfigError, SpeculativeConfig, SpecMethod
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "SpeculativeConfig", "SpecMethod",
            "SpecConfigError"]

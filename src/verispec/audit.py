@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .llm import LLM
-from .logits import LogitsPipeline
-from .params import SamplingParams
+from .core.logits import LogitsPipeline
+from .core.params import SamplingParams
 
 OTHER = -1          # a cell: any token outside the expanded ones at this position (and anything after)
 
@@ -198,7 +198,7 @@ def _sample_outputs(llm: LLM, prompt: list[int], params: SamplingParams, samples
                     seed: int) -> list[list[int]]:
     """``samples`` outputs (output j seeded ``seed + j``) decoded by ``llm``'s engine with room for
     the drafter's whole tree in the first step, each ended after ``depth`` tokens."""
-    from .engine import Sequence
+    from .core.engine import Sequence
     room = llm.make_engine(1, len(prompt) + 2).max_tree_nodes
     sp = _sampled_params(params, depth + room)
     engine = llm.make_engine(min(samples, llm.max_num_seqs), len(prompt) + depth + room)

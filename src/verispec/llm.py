@@ -12,19 +12,19 @@ from typing import Any, Callable, Sequence as Seq
 
 import torch
 
-from .acceptance import LOSSLESS
-from .detokenizer import IncrementalDetokenizer
-from .device import module_device, resolve_device, same_device
-from .drafters import build_drafter_factory
-from .engine import Engine, Sequence
-from .grammar import GrammarCompiler
-from .logprobs import TokenLogprob
-from .metrics import SpecStats
+from .core.acceptance import LOSSLESS
+from .core.detokenizer import IncrementalDetokenizer
+from .models.device import module_device, resolve_device, same_device
+from .drafting import build_drafter_factory
+from .core.engine import Engine, Sequence
+from .core.grammar import GrammarCompiler
+from .core.logprobs import TokenLogprob
+from .core.metrics import SpecStats
 from .models.loading import LoadedModel, load_model
 from .models.packed import WeightFormat
-from .params import SamplingParams
-from .prefix_cache import PrefixCache
-from .spec_config import DraftModelConfig, SpeculativeConfig
+from .core.params import SamplingParams
+from .core.prefix_cache import PrefixCache
+from .drafting.spec_config import DraftModelConfig, SpeculativeConfig
 
 PromptType = str | dict
 
@@ -82,7 +82,7 @@ class LLM:
                  device: str | torch.device | None = None, compile: bool = False):
         """``loaded`` lets several LLMs share one loaded target (tests, benchmarks).
         ``device``: where the target, its drafter, the KV caches and every tensor of decoding live:
-        "cpu", "auto" (cuda when available), "cuda", "cuda:1"... (``verispec.device``); None (the
+        "cpu", "auto" (cuda when available), "cuda", "cuda:1"... (``verispec.models.device``); None (the
         default) means the ``loaded`` model's device, else "cpu". On CUDA use dtype bfloat16 or
         float16 (the fast path there).
         ``weights="fp16"``: fp16-packed matmul weights on the CPU (``models.packed``): faster, and a

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ..metrics import SpecStats
+from ..core.metrics import SpecStats
 from ..models.loading import LoadedModel
 from ..models.sources import resolve_model
-from ..sampling import SamplingParams
+from ..core.sampling import SamplingParams
 from .records import BenchError, GenResult
 
 LLAMACPP_KINDS = ("llamacpp", "llamacpp-pld", "llamacpp-draft")

@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from ..device import module_device
-from ..metrics import SpecStats
+from ..models.device import module_device
+from ..core.metrics import SpecStats
 from ..models.config import LLAMA_FAMILY, ModelConfig
 from ..models.loading import LoadedModel, load_model
-from ..sampling import SamplingParams
+from ..core.sampling import SamplingParams
 from .records import BenchError, GenResult
 
 WEIGHTS = ("loader", "shared")

@@ -9,7 +9,7 @@ agree on one shape:
 * ``BenchResult``: one benchmark suite: its settings, methods, raw records and skips.
 
 Units: times in seconds of wall clock (``time.perf_counter``); memory in MiB; token counts
-exclude the end-of-sequence token. Acceptance numbers follow ``verispec.metrics``: mean acceptance
+exclude the end-of-sequence token. Acceptance numbers follow ``verispec.core.metrics``: mean acceptance
 length includes the bonus token.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..metrics import SpecStats
+from ..core.metrics import SpecStats
 
 #: method kinds: our engine without drafter, our engine with a speculative config, HF peers
 KINDS = ("vanilla", "engine", "hf", "hf-pld", "hf-assisted")

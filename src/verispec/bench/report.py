@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..metrics import SpecStats
+from ..core.metrics import SpecStats
 from .records import BenchResult, RunRecord
 
 OVERALL = "overall"

@@ -35,13 +35,13 @@ import torch
 
 from ..data import per_category, spec_bench_path, spec_bench_questions
 from ..llm import LLM
-from ..metrics import SpecStats
-from ..device import module_device, resolve_device, same_device
+from ..core.metrics import SpecStats
+from ..models.device import module_device, resolve_device, same_device
 from ..models.loading import LoadedModel, check_weights, load_model, parse_dtype
 from ..models.sources import ModelSourceError
-from ..sampling import SamplingParams
-from ..shipped import model_stem, shipped_head
-from ..spec_config import SpecConfigError
+from ..core.sampling import SamplingParams
+from ..drafting.shipped import model_stem, shipped_head
+from ..drafting.spec_config import SpecConfigError
 from .records import PEER_KINDS, BenchError, BenchResult, FidelityRecord, GenResult, MethodSpec, RunRecord, stats_dict
 
 METHOD_NAMES = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa", "hf", "hf-pld", "hf-assisted",
@@ -79,7 +79,7 @@ class BenchConfig:
     repeats: int = 1
     dtype: str = "float32"
     weights: str = "dense"
-    device: str = "cpu"                   # where the target and every method run (``verispec.device``)
+    device: str = "cpu"                   # where the target and every method run (``verispec.models.device``)
     threads: int | None = None
     compile: bool = False                 # verispec's forwards through torch.compile (``models.compiled``)
     hf_weights: str = "loader"

@@ -12,7 +12,7 @@ import json
 import sys
 
 from ..bench import BenchError
-from ..device import add_device_argument, add_weights_argument
+from ..models.device import add_device_argument, add_weights_argument
 from ..bench.runner import DEFAULT_METHODS, METHOD_NAMES, PRESETS, BenchConfig
 
 DEFAULT_OUT = "bench_results"

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from ..device import add_device_argument, add_weights_argument, device_type
+from ..models.device import add_device_argument, add_weights_argument, device_type
 
 
 def _load_input(path: str | None, limit: int | None):
@@ -57,7 +57,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     special token), report coverage on the held-out split, write a draft-vocabulary file."""
     import shlex
 
-    from ..draft_vocab import save_draft_vocab
+    from ..drafting.draft_vocab import save_draft_vocab
     from ..models.loading import load_tokenizer, read_config
     from ..models.sources import resolve_model
     from ..train.common import load_many

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import argparse
 
-from ..device import add_device_argument
+from ..models.device import add_device_argument
 
 
 def cmd_features(args: argparse.Namespace) -> int:
     import torch
-    from ..drafters.eagle_head import EagleHeadConfig
+    from ..drafting.eagle_head import EagleHeadConfig
     from ..train.common import prepare_data
     from ..train.features import write_features
     if args.threads:

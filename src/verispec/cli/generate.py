@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from ..device import add_device_argument, add_weights_argument
+from ..models.device import add_device_argument, add_weights_argument
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
 
 
 def _params(args):
-    from ..sampling import SamplingParams
+    from ..core.sampling import SamplingParams
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
                           min_p=args.min_p, min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
@@ -135,7 +135,7 @@ class _StreamPrinter:
     strings: the engine ends the output at one)."""
 
     def __init__(self, llm):
-        from ..params import SamplingParams
+        from ..core.params import SamplingParams
         self.detok = llm.detokenizer(SamplingParams())
 
     def __call__(self, index: int, new_ids: list[int]) -> None:

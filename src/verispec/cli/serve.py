@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from ..device import add_device_argument, add_weights_argument
+from ..models.device import add_device_argument, add_weights_argument
 
 POLICY_KEY = "num_speculative_tokens_per_batch_size"
 
@@ -130,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     from .. import LLM
     from ..serve.policy import parse_policy
-    from ..spec_config import SpecConfigError, SpeculativeConfig
+    from ..drafting.spec_config import SpecConfigError, SpeculativeConfig
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         spec, policy_value = split_spec_config(args.speculative_config, args.num_speculative_tokens_per_batch_size)

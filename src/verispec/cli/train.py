@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..device import add_device_argument
+from ..models.device import add_device_argument
 from .train_eval import eval_only
 
 
@@ -103,7 +103,7 @@ def _warm_head(args: argparse.Namespace, target):
     """The head of ``--init-from`` (trainable, fp32) and its draft vocabulary; its config (draft
     vocabulary, aux layers, EAGLE-3.1 switches) replaces the ones the flags would choose."""
     from ..formats import load_eagle_head
-    from ..drafters.eagle_head import HeadKind
+    from ..drafting.eagle_head import HeadKind
     from ..train.vocab import DraftVocab
     head = load_eagle_head(args.init_from, target, HeadKind.EAGLE3)
     cfg = head.cfg

@@ -33,7 +33,7 @@ def acceptance_profile(ev: dict, ttt_length: int, source: str):
     no valid position are left out at the end); None when there are none."""
     import math
 
-    from ..draft_shape import AcceptanceProfile
+    from ..drafting.draft_shape import AcceptanceProfile
     rows = []
     for i in range(ttt_length):
         row = [ev.get(f"hit{i}@{k}") for k in range(1, 9)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..drafters.eagle_head import EagleHead, HeadKind, new_eagle_head
+from ..drafting.eagle_head import EagleHead, HeadKind, new_eagle_head
 from . import eagle1, eagle3
 from .common import CheckpointError, ExportFormat, read_config, read_tensors, write_config, write_tensors
 from .medusa import MedusaLayout, load_medusa_heads, save_medusa_heads

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafters.eagle_head import Eagle1Head, EagleHeadConfig, HeadKind
+from ..drafting.eagle_head import Eagle1Head, EagleHeadConfig, HeadKind
 from .common import CONSUMER, CheckpointError, ExportFormat, dtype_of
 from .eagle_layer import (EagleCheckpoint, add_target_embedding, build_head, check_own_embedding, check_target_hidden,
                           check_tensors, eagle_rope_scaling, layer_names, llama_fields, llama_json, make_config,

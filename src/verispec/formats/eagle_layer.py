@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..drafters.eagle_head import Eagle1Head, Eagle3Head, EagleHead, EagleHeadConfig, HeadKind, new_eagle_head
+from ..drafting.eagle_head import Eagle1Head, Eagle3Head, EagleHead, EagleHeadConfig, HeadKind, new_eagle_head
 from .common import (CONSUMER, CheckpointError, ExportFormat, check_names, check_shapes, copy_into, dtype_name,
                      module_shapes, read_config, read_tensors, strip_model_prefix, write_config, write_tensors)
 

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..drafters.medusa_head import MedusaConfig, MedusaHeads
+from ..drafting.medusa_head import MedusaConfig, MedusaHeads
 from .common import (CONSUMER, CheckpointError, ExportFormat, check_shapes, copy_into, dtype_name, dtype_of,
                      module_shapes, read_config, read_tensors, strip_model_prefix, write_config, write_tensors)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..device import device_type, resolve_device
+from .device import device_type, resolve_device
 from .config import ModelConfig
 from .packed import WeightFormat
 from .transformer import Transformer

@@ -21,7 +21,7 @@ import re
 import threading
 from typing import Callable
 
-from ..logprobs import TokenLogprob
+from ..core.logprobs import TokenLogprob
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 

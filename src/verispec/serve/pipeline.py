@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..llm import LLM
-from ..params import SamplingParams
+from ..core.params import SamplingParams
 from .errors import APIError
 from .logprob_format import TokenTexts
 from .metrics import ServerMetrics

@@ -21,9 +21,9 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from ..logprobs import MAX_LOGPROBS
-from ..params import SamplingParams
-from ..structured import StructuredOutputError, StructuredOutputsParams
+from ..core.logprobs import MAX_LOGPROBS
+from ..core.params import SamplingParams
+from ..core.structured import StructuredOutputError, StructuredOutputsParams
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
 Seed = Annotated[StrictInt, Field(ge=-2**63, le=2**64 - 1)]

@@ -12,7 +12,7 @@ import contextlib
 from collections import OrderedDict
 from typing import AsyncIterator
 
-from ..params import SamplingParams
+from ..core.params import SamplingParams
 from .metrics import ServerMetrics
 from .scheduler import TokenEvent
 

@@ -28,8 +28,8 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..logprobs import TokenLogprob
-from ..params import SamplingParams
+from ..core.logprobs import TokenLogprob
+from ..core.params import SamplingParams
 from .errors import error_body
 from .logprob_format import LogprobFormatter
 from .scheduler import RequestFailed, TokenEvent

@@ -40,11 +40,11 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from ..detokenizer import IncrementalDetokenizer
-from ..engine import Engine, Sequence
+from ..core.detokenizer import IncrementalDetokenizer
+from ..core.engine import Engine, Sequence
 from ..llm import LLM
-from ..logprobs import TokenLogprob
-from ..params import SamplingParams
+from ..core.logprobs import TokenLogprob
+from ..core.params import SamplingParams
 from .metrics import ServerMetrics
 from .policy import SpecPolicy
 

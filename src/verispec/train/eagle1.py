@@ -41,9 +41,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..device import module_device
+from ..models.device import module_device
 from ..formats import save_eagle_head
-from ..drafters.eagle_head import Eagle1Head, EagleHeadConfig, HeadKind, init_head_weights
+from ..drafting.eagle_head import Eagle1Head, EagleHeadConfig, HeadKind, init_head_weights
 from .loop import Batch, StepOut
 
 # The EAGLE repo's defaults (``train_config``: v_w, p_w; ``AddUniformNoise(std=0.2)``).

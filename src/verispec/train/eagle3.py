@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..device import module_device
+from ..models.device import module_device
 from ..formats import save_eagle_head
-from ..drafters.eagle_head import Eagle3Head, EagleHeadConfig, HeadKind, init_head_weights
-from ..drafters.base import TargetFeatures
+from ..drafting.eagle_head import Eagle3Head, EagleHeadConfig, HeadKind, init_head_weights
+from ..drafting.base import TargetFeatures
 from ..models.transformer import apply_rope
 from .common import topk_hits
 from .loop import Batch, StepOut

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..device import resolve_device
+from ..models.device import resolve_device
 from .data import TokenizedExample
 
 

@@ -50,9 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..device import module_device
+from ..models.device import module_device
 from ..formats import save_medusa_heads, write_config, write_tensors
-from ..drafters.medusa_head import MedusaConfig, MedusaHeads
+from ..drafting.medusa_head import MedusaConfig, MedusaHeads
 from ..models.hf_loader import _HF_GLOBAL, _HF_LAYER
 from ..models.transformer import Transformer
 from .common import topk_hits

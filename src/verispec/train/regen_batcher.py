@@ -28,8 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from ..engine import Engine, Sequence
-from ..sampling import SamplingParams
+from ..core.engine import Engine, Sequence
+from ..core.sampling import SamplingParams
 from .data import Conversation
 
 

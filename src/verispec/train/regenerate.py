@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..sampling import SamplingParams
+from ..core.sampling import SamplingParams
 from .data import Conversation
 from .regen_batcher import TurnBatcher
 

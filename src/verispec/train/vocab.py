@@ -1,4 +1,4 @@
-"""Building a reduced draft vocabulary from training data (``DraftVocab``: ``verispec.draft_vocab``).
+"""Building a reduced draft vocabulary from training data (``DraftVocab``: ``verispec.drafting.draft_vocab``).
 
 The draft head predicts over the ``D`` target tokens most frequent among the training targets
 (assistant tokens under the loss mask). Maps, as the checkpoints store them:
@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from ..draft_vocab import DraftVocab
+from ..drafting.draft_vocab import DraftVocab
 
 
 def token_counts(sequences: Iterable[tuple[Iterable[int], Iterable[int]]], vocab_size: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ def model_stem(model_name: str) -> str:
 
 def checkpoint_roots() -> list[Path]:
     roots = [Path(os.environ["VERISPEC_CHECKPOINTS"])] if os.environ.get("VERISPEC_CHECKPOINTS") else []
-    roots += [Path.cwd() / "checkpoints", Path(__file__).resolve().parents[2] / "checkpoints"]
+    roots += [Path.cwd() / "checkpoints", Path(__file__).resolve().parents[3] / "checkpoints"]
     return list(dict.fromkeys(p.resolve() for p in roots))
 
 

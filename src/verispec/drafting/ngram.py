@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..tree import DraftTree
+from ..core.tree import DraftTree
 from .base import DraftRequest, StatelessDrafter, tree_from_lists
 
 

@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from .tree import validate_choices
+from ..core.tree import validate_choices
 
 log = logging.getLogger("verispec")
 
@@ -285,7 +285,7 @@ def time_ms(fn: Callable[[], object], reps: int = 7, warmup: int = 2,
 
 def _scratch_cache(model, slots: int, context: int):
     """A batch-1 cache of ``slots`` slots, ``context`` of them counted as committed."""
-    from .models.kv_cache import KVCache
+    from ..models.kv_cache import KVCache
     p = next(model.parameters())
     cache = KVCache.for_model(model.cfg, 1, slots, p.dtype, device=p.device)
     cache.advance([0], context)
@@ -360,7 +360,7 @@ def cost_key(target, head_folder: str | Path, kind: str, compiled: bool = False)
     # under PASSIVE): the packed modules' backend and the policy are part of the key
     backends = sorted({getattr(m, "backend", "") for m in target.model.modules() if hasattr(m, "backend")})
     omp = os.environ.get("OMP_WAIT_POLICY", "default")
-    from .models import attention
+    from ..models import attention
     cfg = getattr(target.model, "cfg", None)
     attn = "op" if cfg is not None and attention.row_invariant(cfg) else "sdpa"      # which attention runs
     head = Path(head_folder)

@@ -5,7 +5,7 @@ fails on any key the method does not use (naming the method that does use it, an
 method's own keys). Values are checked once, at construction. A method's config says which
 acceptance rule it asks for (``acceptance()``): lossless unless the user named a lossy one.
 
-Methods registered by ``verispec.drafters.register`` bring their own config class (a subclass
+Methods registered by ``verispec.drafting.register`` bring their own config class (a subclass
 of ``SpeculativeConfig``); ``CustomSpecConfig`` is the default for them.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from .acceptance import LOSSLESS, AcceptanceRule, LossyTypicalAcceptance
-from .tree import validate_choices
+from ..core.acceptance import LOSSLESS, AcceptanceRule, LossyTypicalAcceptance
+from ..core.tree import validate_choices
 
 
 class SpecMethod(str, enum.Enum):
@@ -265,7 +265,7 @@ class SuffixConfig(SpeculativeConfig):
 
 @dataclass(frozen=True)
 class CustomSpecConfig(SpeculativeConfig):
-    """Default config of a method registered with ``verispec.drafters.register``."""
+    """Default config of a method registered with ``verispec.drafting.register``."""
     model: str | None = None
 
 

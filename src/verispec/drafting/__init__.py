@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from ..spec_config import (CustomSpecConfig, DraftModelConfig, Eagle3Config, EagleConfig, MedusaSpecConfig,
+from .spec_config import (CustomSpecConfig, DraftModelConfig, Eagle3Config, EagleConfig, MedusaSpecConfig,
                            NgramConfig, SpecConfigError, SpeculativeConfig, SuffixConfig, register_config)
 from .base import DraftRequest, Drafter, StatelessDrafter, TargetFeatures
 
@@ -81,8 +81,8 @@ def _draft_model(config: DraftModelConfig, target) -> DrafterFactory:
     from .draft_model import DraftModelDrafter, with_vocab_head
     vocab = None
     if config.draft_vocab is not None:          # a bad file fails before the draft model loads
-        from ..draft_vocab import load_draft_vocab
-        from ..shipped import in_checkpoints
+        from .draft_vocab import load_draft_vocab
+        from .shipped import in_checkpoints
         try:
             vocab = load_draft_vocab(in_checkpoints(config.draft_vocab), target.config.vocab_size)
         except ValueError as e:
@@ -121,7 +121,7 @@ def _load_draft_model(config: DraftModelConfig, target):
 
 def target_device(target):
     """The device of a loaded target (``LoadedModel``; None: the CPU): its drafter's device."""
-    from ..device import module_device
+    from ..models.device import module_device
     import torch
     return module_device(target.model) if target is not None else torch.device("cpu")
 

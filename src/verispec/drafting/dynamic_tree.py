@@ -29,7 +29,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..tree import ChoicesFiller, validate_choices
+from ..core.tree import ChoicesFiller, validate_choices
 
 
 # Default node budget of a draft tree (EAGLE-2 dynamic tree, Medusa tree), chosen from the measured

@@ -286,7 +286,7 @@ class Eagle1Head(_HeadBase):
         """Read tokens over the target ids ``ids`` only (distinct, in range): a copy of those rows of
         the target's LM head (the target's own head is untouched); draft id j is target id
         ``ids[j]``. Call before ``pack_fp16_``; once only."""
-        from ..draft_vocab import check_ids, rows_linear
+        from .draft_vocab import check_ids, rows_linear
         if self.vocab_ids is not None:
             raise ValueError("the head's vocabulary is already restricted")
         ids = check_ids(ids, self.cfg.vocab_size).to(self.target_lm_head.device)

@@ -52,8 +52,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .drafters.base import TargetFeatures, join_features  # noqa: F401  (re-exported)
-from .models.kv_cache import KVCache
+from ..drafting.base import TargetFeatures, join_features  # noqa: F401  (re-exported)
+from ..models.kv_cache import KVCache
 
 _SALT = hashlib.sha256(b"verispec prefix cache v1").digest()
 MIB = 1 << 20

@@ -94,6 +94,6 @@ WEIGHTS_HELP = ("matmul weights on the CPU: dense (as loaded), fp16 (FBGEMM fp16
 
 def add_weights_argument(parser, default: str | None = "dense", extra: str = "") -> None:
     """The ``--weights`` option of every command that loads a target (``models.packed.WeightFormat``)."""
-    from .models.packed import WeightFormat
+    from .packed import WeightFormat
     parser.add_argument("--weights", choices=[w.value for w in WeightFormat], default=default,
                         help=WEIGHTS_HELP + (extra or "; default %(default)s"))

@@ -24,8 +24,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..sampling import SamplingParams
-from ..tree import DraftTree
+from ..core.sampling import SamplingParams
+from ..core.tree import DraftTree
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,12 @@ import copy
 import torch
 from torch import nn
 
-from ..draft_vocab import DraftVocab
+from .draft_vocab import DraftVocab
 from ..models.kv_cache import KVCache
 from ..models.packed import PackedFP16Linear, PackedLinear
 from ..models.transformer import Transformer
-from ..sampling import target_probs
-from ..tree import ChoicesFiller, DraftTree, pack_trees, validate_choices
+from ..core.sampling import target_probs
+from ..core.tree import ChoicesFiller, DraftTree, pack_trees, validate_choices
 from .base import DraftRequest, tree_from_lists, tree_on
 
 

@@ -73,7 +73,7 @@ class MedusaHeads(nn.Module):
         column j is target id ``ids[j]``. Tied heads get one shared projection of those rows of the
         target's LM head (a copy: the target's own head is untouched); untied heads keep those rows of
         their own. Call before ``pack_fp16_``; once only."""
-        from ..draft_vocab import check_ids, rows_linear
+        from .draft_vocab import check_ids, rows_linear
         if self.vocab_ids is not None:
             raise ValueError("the Medusa heads' vocabulary is already restricted")
         ids = check_ids(ids, self.cfg.vocab_size).to(next(self.parameters()).device)

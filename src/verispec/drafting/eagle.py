@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import torch
 
-from ..draft_shape import ShapedFactory, plan_shape, time_ms
+from .draft_shape import ShapedFactory, plan_shape, time_ms
 from ..models.packed import follows_packed_target
-from ..params import SamplingParams
-from ..shipped import with_shipped_head
-from ..spec_config import SpecConfigError, TreeHeadConfig
-from ..tree import DraftTree, pack_trees
+from ..core.params import SamplingParams
+from .shipped import with_shipped_head
+from .spec_config import SpecConfigError, TreeHeadConfig
+from ..core.tree import DraftTree, pack_trees
 from .base import DraftRequest, TargetFeatures, join_features, tree_on
 from .dynamic_tree import DynamicTreeConfig, RankBy, Ranked, StaticTreeConfig, TreeBuilder, TreeConfig, rank
 from .eagle_head import Eagle3Head, EagleHead, HeadKind
@@ -316,7 +316,7 @@ def _restrict_vocab(head: EagleHead, config: TreeHeadConfig) -> str:
     """Cut the head's draft vocabulary as ``draft_vocab`` says (``draft_vocab.head_vocab``):
     EAGLE-3 within its own draft vocabulary, EAGLE-1 a copy of those rows of the target's LM head
     it reads tokens through. Returns a tag for the cost cache ("" for none)."""
-    from ..draft_vocab import head_vocab
+    from .draft_vocab import head_vocab
     vocab = head_vocab(config.draft_vocab, config.model, head.cfg.vocab_size)
     if vocab is None:
         return ""

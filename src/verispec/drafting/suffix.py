@@ -49,8 +49,8 @@ from typing import Sequence
 
 import torch
 
-from ..spec_config import SpecConfigError, SuffixConfig
-from ..tree import DraftTree
+from .spec_config import SpecConfigError, SuffixConfig
+from ..core.tree import DraftTree
 from .base import DraftRequest, tree_from_lists
 
 INSTALL_HINT = ("method 'suffix' needs arctic-inference (`pip install arctic-inference==0.3.0` or "

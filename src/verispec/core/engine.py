@@ -31,14 +31,14 @@ from typing import Callable
 import torch
 
 from .acceptance import LOSSLESS, AcceptanceRule, batched
-from .device import same_device
-from .draft_gate import DraftGate
-from .drafters.base import DraftRequest, Drafter, TargetFeatures
+from ..models.device import same_device
+from ..drafting.draft_gate import DraftGate
+from ..drafting.base import DraftRequest, Drafter, TargetFeatures
 from .logits import LogitsPipeline, TokenConstraint
 from .logprobs import TokenLogprob, token_logprobs
 from .metrics import SpecStats
-from .models.kv_cache import KVCache
-from .models.transformer import Transformer
+from ..models.kv_cache import KVCache
+from ..models.transformer import Transformer
 from .params import SamplingParams
 from .prefix_cache import CacheLayout, PrefixCache, PrefixHit, features_to, join_features, num_positions
 from .sampling import make_generator, sample

@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..draft_shape import ShapedFactory, plan_shape, time_ms
+from .draft_shape import ShapedFactory, plan_shape, time_ms
 from ..models.packed import follows_packed_target
-from ..params import SamplingParams
-from ..shipped import with_shipped_head
-from ..spec_config import MedusaSpecConfig, SpecConfigError
-from ..tree import DraftTree, tree_from_choices, validate_choices
-from ..device import module_device
+from ..core.params import SamplingParams
+from .shipped import with_shipped_head
+from .spec_config import MedusaSpecConfig, SpecConfigError
+from ..core.tree import DraftTree, tree_from_choices, validate_choices
+from ..models.device import module_device
 from .base import DraftRequest, TargetFeatures, tree_on
 from .dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
 from .medusa_head import MedusaHeads
@@ -124,7 +124,7 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
     engine a ``DraftGate`` (``adaptive_drafting``, see ``draft_shape.plan_shape``). ``forward``:
     the target forward the engines run (its costs are measured)."""
     from ..formats import CheckpointError, load_medusa_heads
-    from ..draft_vocab import head_vocab
+    from .draft_vocab import head_vocab
     config = with_shipped_head(config, target)
     try:
         heads = load_medusa_heads(config.model, target.model)
