@@ -24,7 +24,7 @@ from verispec.core.engine import Engine, Sequence
 from verispec.core.params import SamplingParams
 from verispec.core.tree import DraftTree
 from verispec.core.tree_batch import TreeBatch
-from verispec import verify
+from verispec.core import verify
 from verispec.core.verify import accept_from_probs_batch, accept_greedy_batch
 
 V = 6
