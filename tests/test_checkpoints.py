@@ -13,7 +13,8 @@ from helpers import tiny_llama
 from verispec.formats import (CheckpointError, MedusaLayout, load_eagle_head, load_medusa_heads,
                                   new_eagle_head, save_eagle_head, save_medusa_heads, write_config,
                                   write_tensors)
-from verispec.drafting.base import DraftRequest, TargetFeatures
+from verispec.core.features import TargetFeatures
+from verispec.drafting.base import DraftRequest
 from verispec.drafting.dynamic_tree import DynamicTreeConfig, StaticTreeConfig
 from verispec.drafting.eagle import EagleDrafter
 from verispec.drafting.eagle_head import EagleHeadConfig, HeadKind, init_head_weights

@@ -41,7 +41,7 @@ import torch
 
 from helpers import randomise, tiny_head_config
 
-from verispec.drafting.base import TargetFeatures
+from verispec.core.features import TargetFeatures
 from verispec.drafting.eagle_head import HeadKind, new_eagle_head
 from verispec.drafting.medusa_head import MedusaConfig, MedusaHeads
 from verispec.formats import read_tensors, save_eagle_head, save_medusa_heads

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from helpers import HEAD_TOKENS, assert_same_or_tie
 from verispec import LLM, SamplingParams
 from verispec.formats import new_eagle_head, save_eagle_head
-from verispec.drafting.base import DraftRequest, TargetFeatures
+from verispec.core.features import TargetFeatures
+from verispec.drafting.base import DraftRequest
 from verispec.drafting.dynamic_tree import DynamicTreeConfig, StaticTreeConfig
 from verispec.drafting.eagle import EagleDrafter
 from verispec.drafting.eagle_head import EagleHeadConfig, HeadKind, init_head_weights

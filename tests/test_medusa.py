@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from helpers import HEAD_TOKENS, assert_same_or_tie
 from verispec import LLM, SamplingParams
 from verispec.formats import MedusaLayout, save_medusa_heads
-from verispec.drafting.base import DraftRequest, TargetFeatures
+from verispec.core.features import TargetFeatures
+from verispec.drafting.base import DraftRequest
 from verispec.drafting.dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
 from verispec.core.acceptance import LOSSLESS, LossyTypicalAcceptance
 from verispec.drafting.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDrafter

@@ -87,7 +87,7 @@ def test_bytes_are_counted_exactly_with_features():
     layout = CacheLayout(2, 2, 8, torch.float32, hidden_layers=(0, 1), last_hidden=True)
     pc = PrefixCache(10 ** 6, BS)
     pc.bind(layout)
-    from verispec.drafting.base import TargetFeatures
+    from verispec.core.features import TargetFeatures
     feats = TargetFeatures({0: torch.randn(9, 6), 1: torch.randn(9, 6)}, torch.randn(9, 6).to(torch.bfloat16))
     assert pc.insert(toks, _filled(toks), 0, feats) == 2
     want = 2 * (BLOCK_BYTES + 2 * BS * 6 * 4 + BS * 6 * 2)

@@ -87,8 +87,9 @@ class LLM:
         float16 (the fast path there).
         ``weights="fp16"``: fp16-packed matmul weights on the CPU (``models.packed``): faster, and a
         few-token verification forward costs about a one-token decode; not bit-equal to fp32; CPU only.
-        ``weights="int8"``: int8 weights and per-token int8 activations (``models.int8``): a faster
-        one-token decode than fp16, for vanilla decoding only (a ``speculative_config`` is refused).
+        ``weights="int8"``, ``"int4"``, ``"int4-head8"``, ``"int4-a8"``, ``"int4-all"``: quantised
+        packed weights (``models.packed.WeightFormat``); the formats with int8 activations speculate
+        only with the row-invariant attention op (refused without it, see below).
         ``prefix_cache_mb`` > 0: one ``PrefixCache`` of that many MiB (blocks of
         ``prefix_cache_block_size`` tokens) shared by every engine this LLM makes, so a prompt
         repeating an earlier prompt or conversation (system prompt, chat history) prefills only
@@ -137,7 +138,7 @@ class LLM:
         self._make_drafter = build_drafter_factory(self.spec, self.target, forward=self.compiled) \
             if self.spec else None
         # the tree a head's default config chose from measured costs (draft_shape.ShapeChoice)
-        self.draft_shape = getattr(self._make_drafter, "shape", None)
+        self.draft_shape = self._make_drafter.shape if self._make_drafter else None
         ctx = self.target.config.max_position_embeddings
         self.max_model_len = min(max_model_len or ctx, ctx)
         self.max_num_seqs = max_num_seqs
@@ -184,8 +185,7 @@ class LLM:
 
     def _make_gate(self):
         """A per-engine ``DraftGate`` when the drafter factory makes one (adaptive drafting)."""
-        make = getattr(self._make_drafter, "make_gate", None)
-        return make() if make is not None else None
+        return self._make_drafter.make_gate() if self._make_drafter else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -26,8 +26,8 @@ import torch
 from .params import SamplingParams
 from .tree import DraftTree
 from .tree_batch import TreeBatch
-from .verify import (AcceptResult, BatchAccept, accept_batch, accept_greedy_batch, batch_target_probs,
-                     draw_uniforms, finish_path, path_from_mask, rows_at, sample_inverse_cdf, select_rows)
+from .verify import (AcceptResult, BatchAccept, accept_batch, batch_target_probs, draw_uniforms, finish_path,
+                     path_from_mask, rows_at, sample_inverse_cdf, with_greedy_rows)
 
 BatchRule = Callable[[TreeBatch, torch.Tensor, Sequence[SamplingParams], Sequence[torch.Generator | None]],
                      BatchAccept]
@@ -95,20 +95,13 @@ class LossyTypicalAcceptance(_OneTree):
 
     def accept_batch(self, batch: TreeBatch, logits: torch.Tensor, params: Sequence[SamplingParams],
                      generators: Sequence[torch.Generator | None]) -> BatchAccept:
-        sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
-        if not sampled_rows:
-            return accept_greedy_batch(batch, logits)
-        probs = batch_target_probs(logits, params)                               # [B, T, V]
-        last, walked = path_from_mask(batch, self._typical_path(batch, probs))
-        u = draw_uniforms(batch, [not p.greedy for p in params], generators)
-        final_dist = rows_at(probs, last[:, None])[:, 0]
-        typical = finish_path(batch, walked, sample_inverse_cdf(final_dist, u[:, -1]), last)
-        if len(sampled_rows) == batch.batch:
-            return typical
-        greedy = accept_greedy_batch(batch, logits)
-        pick = torch.zeros(batch.batch, dtype=torch.bool, device=probs.device)
-        pick[sampled_rows] = True
-        return select_rows(pick, typical, greedy)
+        def typical() -> BatchAccept:
+            probs = batch_target_probs(logits, params)                           # [B, T, V]
+            last, walked = path_from_mask(batch, self._typical_path(batch, probs))
+            u = draw_uniforms(batch, [not p.greedy for p in params], generators)
+            final_dist = rows_at(probs, last[:, None])[:, 0]
+            return finish_path(batch, walked, sample_inverse_cdf(final_dist, u[:, -1]), last)
+        return with_greedy_rows(batch, logits, params, typical)
 
     def _typical_path(self, batch: TreeBatch, probs: torch.Tensor) -> torch.Tensor:
         """``on_path [B, N]``: the longest all-passing root path (ties: larger log-prob sum, then

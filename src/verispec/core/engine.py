@@ -33,14 +33,15 @@ import torch
 from .acceptance import LOSSLESS, AcceptanceRule, batched
 from ..models.device import same_device
 from ..drafting.draft_gate import DraftGate
-from ..drafting.base import DraftRequest, Drafter, TargetFeatures
+from ..drafting.base import DraftRequest, Drafter
+from .features import TargetFeatures, join_features
 from .logits import LogitsPipeline, TokenConstraint
 from .logprobs import TokenLogprob, token_logprobs
 from .metrics import SpecStats
 from ..models.kv_cache import KVCache
 from ..models.transformer import Transformer
 from .params import SamplingParams
-from .prefix_cache import CacheLayout, PrefixCache, PrefixHit, features_to, join_features, num_positions
+from .prefix_cache import CacheLayout, PrefixCache, PrefixHit, features_to, num_positions
 from .sampling import make_generator, sample
 from .tree import DraftTree
 from .tree_batch import TreeBatch

@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..drafting.base import TargetFeatures, join_features  # noqa: F401  (re-exported)
+from .features import TargetFeatures, join_features  # noqa: F401  (re-exported)
 from ..models.kv_cache import KVCache
 
 _SALT = hashlib.sha256(b"verispec prefix cache v1").digest()

@@ -34,7 +34,7 @@ Knows nothing about models or drafters.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -100,17 +100,26 @@ def accept_batch(batch: TreeBatch, logits: torch.Tensor, params: Sequence[Sampli
     rejection sampling. ``logits [B, T, V]``: the processed target rows (root, nodes..., padding).
     Target distributions are computed only where they are read: at the ``parent_cols`` entries and
     at each row's last accepted entry."""
+    def sampled() -> BatchAccept:
+        u = draw_uniforms(batch, [not p.greedy for p in params], generators)
+        return _reject_sample(batch, lambda idx: batch_target_probs(rows_at(logits, idx), params), u)
+    return with_greedy_rows(batch, logits, params, sampled)
+
+
+def with_greedy_rows(batch: TreeBatch, logits: torch.Tensor, params: Sequence[SamplingParams],
+                     sampled: Callable[[], BatchAccept]) -> BatchAccept:
+    """Greedy rows follow the argmax (``accept_greedy_batch``), sampled rows take the decision of
+    ``sampled()`` (a rule's decision for the whole batch, called only when some row samples)."""
     sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
     if not sampled_rows:
         return accept_greedy_batch(batch, logits)
-    u = draw_uniforms(batch, [not p.greedy for p in params], generators)
-    sampled = _reject_sample(batch, lambda idx: batch_target_probs(rows_at(logits, idx), params), u)
+    decided = sampled()
     if len(sampled_rows) == batch.batch:
-        return sampled
+        return decided
     greedy = accept_greedy_batch(batch, logits)
     pick = torch.zeros(batch.batch, dtype=torch.bool, device=logits.device)
     pick[sampled_rows] = True
-    return select_rows(pick, sampled, greedy)
+    return select_rows(pick, decided, greedy)
 
 
 def accept_greedy_batch(batch: TreeBatch, logits: torch.Tensor) -> BatchAccept:
@@ -292,12 +301,6 @@ def _one(tree: DraftTree, root: int = 0) -> TreeBatch:
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
     """``logits [N+1, V]`` of (root, nodes...) from the verify forward."""
     return accept_greedy_batch(_one(tree), logits[None]).to_host()[0]
-
-
-def accept_sampled(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
-                   generator: torch.Generator | None) -> AcceptResult:
-    """Lossless recursive rejection sampling over the tree (see module docstring)."""
-    return accept_from_probs(tree, target_probs(logits, params), generator)
 
 
 def accept_from_probs(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> AcceptResult:

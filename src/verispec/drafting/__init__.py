@@ -18,7 +18,9 @@ from typing import Callable
 
 from .spec_config import (CustomSpecConfig, DraftModelConfig, Eagle3Config, EagleConfig, MedusaSpecConfig,
                            NgramConfig, SpecConfigError, SpeculativeConfig, SuffixConfig, register_config)
-from .base import DraftRequest, Drafter, StatelessDrafter, TargetFeatures
+from ..core.features import TargetFeatures
+from .base import DraftRequest, Drafter, StatelessDrafter
+from .draft_shape import ShapedFactory
 
 DrafterFactory = Callable[[int, int], Drafter]
 DrafterBuilder = Callable[[SpeculativeConfig, object], DrafterFactory]
@@ -48,15 +50,18 @@ def registered() -> list[str]:
     return sorted(_BUILDERS)
 
 
-def build_drafter_factory(config: SpeculativeConfig, target, forward=None) -> DrafterFactory:
+def build_drafter_factory(config: SpeculativeConfig, target, forward=None) -> ShapedFactory:
     """The registered builder of ``config.method`` applied to ``config`` and ``target`` (and
-    ``forward``, where the builder takes it)."""
+    ``forward``, where the builder takes it), as a ``ShapedFactory``: a builder's plain factory is
+    wrapped (no chosen shape, no gate), so callers read ``shape`` and ``make_gate`` of any method."""
     if config.method not in _BUILDERS:
         raise SpecConfigError(f"method {config.method!r} is not registered; registered: {registered()}")
     builder = _BUILDERS[config.method]
     if "forward" in inspect.signature(builder).parameters:
-        return builder(config, target, forward=forward)
-    return builder(config, target)
+        made = builder(config, target, forward=forward)
+    else:
+        made = builder(config, target)
+    return made if isinstance(made, ShapedFactory) else ShapedFactory(made, None)
 
 
 @register("ngram", config=NgramConfig)

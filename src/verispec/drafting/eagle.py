@@ -35,7 +35,8 @@ from ..core.params import SamplingParams
 from .shipped import with_shipped_head
 from .spec_config import SpecConfigError, TreeHeadConfig
 from ..core.tree import DraftTree, pack_trees
-from .base import DraftRequest, TargetFeatures, join_features, tree_on
+from ..core.features import TargetFeatures, join_features
+from .base import DraftRequest, tree_on
 from .dynamic_tree import DynamicTreeConfig, RankBy, Ranked, StaticTreeConfig, TreeBuilder, TreeConfig, rank
 from .eagle_head import Eagle3Head, EagleHead, HeadKind
 

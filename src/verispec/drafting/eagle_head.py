@@ -40,7 +40,7 @@ from torch import nn
 from ..models.config import ModelConfig
 from ..models.kv_cache import KVCache
 from ..models.transformer import MLP, Attention, RMSNorm, rope_inv_freq
-from .base import TargetFeatures
+from ..core.features import TargetFeatures
 
 
 class HeadKind(str, enum.Enum):
@@ -169,6 +169,14 @@ class _HeadBase(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def _plan(self, tokens: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, cache: KVCache | None,
+              rows: torch.Tensor | None, scratch: int, local_mask: torch.Tensor | None):
+        """A forward's rows (default: 0..B-1 with a cache), ``attention_plan`` and RoPE tables."""
+        b, t = tokens.shape
+        rows = torch.arange(b, device=tokens.device) if rows is None and cache is not None else rows
+        slots, used, mask = attention_plan(cache, rows, t, scratch, local_mask, b, tokens.device)
+        return rows, slots, used, mask, self._rope(positions, dtype)
+
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_tokens)
 
@@ -251,10 +259,8 @@ class Eagle3Head(_HeadBase):
                 local_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
                 compute_logits: bool = True) -> HeadOutput:
         """``tokens``/``positions`` [B,T] (target ids), ``hidden`` [B,T,h]; see ``attention_plan``."""
-        b, t = tokens.shape
-        rows = torch.arange(b, device=tokens.device) if rows is None and cache is not None else rows
-        slots, used, mask = attention_plan(cache, rows, t, scratch, local_mask, b, tokens.device)
-        cos, sin = self._rope(positions, hidden.dtype)
+        rows, slots, used, mask, (cos, sin) = self._plan(tokens, positions, hidden.dtype, cache, rows, scratch,
+                                                         local_mask)
         x = torch.cat([self.input_layernorm(self._embed(tokens)), self.hidden_norm(hidden)], dim=-1)
         h = hidden + self.attn(x, cos, sin, mask, cache, rows, slots, used)
         h = h + self.mlp(self.post_attention_layernorm(h))
@@ -318,10 +324,8 @@ class Eagle1Head(_HeadBase):
                 local_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
                 compute_logits: bool = True) -> HeadOutput:
         """Same contract as ``Eagle3Head.forward``; ``out`` is the predicted next target feature."""
-        b, t = tokens.shape
-        rows = torch.arange(b, device=tokens.device) if rows is None and cache is not None else rows
-        slots, used, mask = attention_plan(cache, rows, t, scratch, local_mask, b, tokens.device)
-        cos, sin = self._rope(positions, hidden.dtype)
+        rows, slots, used, mask, (cos, sin) = self._plan(tokens, positions, hidden.dtype, cache, rows, scratch,
+                                                         local_mask)
         x = self.fc(torch.cat([self._embed(tokens), hidden], dim=-1))
         x = x + self.attn(x, cos, sin, mask, cache, rows, slots, used)
         x = x + self.mlp(self.post_attention_layernorm(x))

@@ -26,7 +26,8 @@ from .shipped import with_shipped_head
 from .spec_config import MedusaSpecConfig, SpecConfigError
 from ..core.tree import DraftTree, tree_from_choices, validate_choices
 from ..models.device import module_device
-from .base import DraftRequest, TargetFeatures, tree_on
+from ..core.features import TargetFeatures
+from .base import DraftRequest, tree_on
 from .dynamic_tree import DEFAULT_NUM_DRAFT_TOKENS, StaticTreeConfig
 from .medusa_head import MedusaHeads
 

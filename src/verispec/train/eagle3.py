@@ -27,7 +27,7 @@ from torch import nn
 from ..models.device import module_device
 from ..formats import save_eagle_head
 from ..drafting.eagle_head import Eagle3Head, EagleHeadConfig, HeadKind, init_head_weights
-from ..drafting.base import TargetFeatures
+from ..core.features import TargetFeatures
 from ..models.transformer import apply_rope
 from .common import topk_hits
 from .loop import Batch, StepOut
