@@ -35,7 +35,8 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
         cpu_fp32 = device_type(args.device) == "cpu" and parse_dtype(args.dtype) == torch.float32
         weights = args.weights or ("fp16" if cpu_fp32 else "dense")
         llm = LLM(model=args.model, speculative_config=args.speculative_config, max_num_seqs=args.batch_size,
-                  num_threads=args.threads, weights=weights, dtype=args.dtype, device=args.device)
+                  num_threads=args.threads, weights=weights, dtype=args.dtype, device=args.device,
+                  compile=args.compile)
     except ValueError as e:
         raise SystemExit(f"verispec data regenerate: {e}") from None
     print(f"regenerating {len(convs)} conversations (shard {index}/{count}) into {out}", file=sys.stderr)
@@ -114,6 +115,8 @@ def add_parser(sub) -> None:
     r.add_argument("--shard", default="0/1",
                    help="i/n: only the conversations whose index in the input (after --limit) is i mod n; "
                         "run n processes with i = 0..n-1 to split the work (each writes its own file)")
+    r.add_argument("--compile", action="store_true",
+                   help="compiled target forwards (torch.compile; the fast path the head will run beside)")
     r.add_argument("--speculative-config", help="JSON; speculation is lossless, so allowed here")
     r.add_argument("--skip-heldout", type=float, default=0.0,
                    help="leave out this held-out fraction (same split as training)")
