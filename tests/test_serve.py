@@ -70,6 +70,8 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "verispec.serve", "--model", MODEL, "--port", str(self.port),
                "--num-threads", "1", "--log-level", "warning", *args]
+        if "--weights" not in args:         # references are dense fp32 decodes (the server's default is auto)
+            cmd += ["--weights", "dense"]
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))

@@ -77,7 +77,7 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
                  speculative_config: dict | str | SpeculativeConfig | None = None,
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_threads: int | None = None,
-                 loaded: LoadedModel | None = None, weights: str = "dense",
+                 loaded: LoadedModel | None = None, weights: str = "auto",
                  prefix_cache_mb: float = 0, prefix_cache_block_size: int = 16,
                  device: str | torch.device | None = None, compile: bool = False):
         """``loaded`` lets several LLMs share one loaded target (tests, benchmarks).
@@ -85,6 +85,9 @@ class LLM:
         "cpu", "auto" (cuda when available), "cuda", "cuda:1"... (``verispec.models.device``); None (the
         default) means the ``loaded`` model's device, else "cpu". On CUDA use dtype bfloat16 or
         float16 (the fast path there).
+        ``weights="auto"`` (default): the fastest weights faithful to the checkpoint
+        (``models.auto_weights``: int4 for a 4-bit GGUF such as the default SmolLM2 file, else fp16
+        packing; dense on CUDA or with a dtype other than float32); ``weights="dense"``: as loaded.
         ``weights="fp16"``: fp16-packed matmul weights on the CPU (``models.packed``): faster, and a
         few-token verification forward costs about a one-token decode; not bit-equal to fp32; CPU only.
         ``weights="int8"``, ``"int4"``, ``"int4-head8"``, ``"int4-a8"``, ``"int4-all"``: quantised

@@ -27,7 +27,7 @@ import os
 import platform
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -37,6 +37,7 @@ from ..data import per_category, spec_bench_path, spec_bench_questions
 from ..llm import LLM
 from ..core.metrics import SpecStats
 from ..models.device import module_device, resolve_device, same_device
+from ..models.auto_weights import AUTO
 from ..models.loading import LoadedModel, check_weights, load_model, parse_dtype
 from ..models.sources import ModelSourceError
 from ..core.sampling import SamplingParams
@@ -111,7 +112,8 @@ class BenchConfig:
             raise BenchError(f"hf_weights must be 'loader' or 'shared', got {self.hf_weights!r}")
         parse_dtype(self.dtype)
         try:
-            check_weights(self.weights, self.dtype, self.device)
+            if self.weights != AUTO:
+                check_weights(self.weights, self.dtype, self.device)
         except ValueError as e:
             raise BenchError(str(e)) from None
 
@@ -498,6 +500,8 @@ def run_benchmark(config: BenchConfig, loaded: LoadedModel | None = None, progre
         on_device = same_device(module_device(loaded.model), resolve_device(config.device))
     except ValueError as e:               # e.g. a CUDA device asked for on a machine without one
         raise BenchError(str(e)) from None
+    if config.weights == AUTO:                      # results name the weights that ran
+        config = replace(config, weights=loaded.weights.value)
     if next(loaded.model.parameters()).dtype != parse_dtype(config.dtype) or loaded.weights != config.weights \
             or not on_device:
         raise BenchError(f"the loaded target is {next(loaded.model.parameters()).dtype} with "

@@ -82,7 +82,8 @@ def add_device_argument(parser, default: str = "cpu") -> None:
     parser.add_argument("--device", type=_device_arg, default=default, help=f"{DEVICE_HELP} (default: %(default)s)")
 
 
-WEIGHTS_HELP = ("matmul weights on the CPU: dense (as loaded), fp16 (FBGEMM fp16-packed, fp32 activations: "
+WEIGHTS_HELP = ("matmul weights on the CPU: auto (the fastest faithful to the checkpoint: int4 for a 4-bit "
+                "GGUF, else fp16; dense on CUDA or for a dtype other than float32), dense (as loaded), fp16 (FBGEMM fp16-packed, fp32 activations: "
                 "faster, not bit-equal to fp32), int4 (int4 weight-only decoder layers with bf16 activations, "
                 "fp16-packed LM head: fewest bytes; a GGUF's 4-bit blocks are kept as they are), int4-all "
                 "(int4 in the LM head too: fewer bytes again, at a quality cost), int4-head8 (an int8 W8A8 LM head: "
@@ -92,8 +93,10 @@ WEIGHTS_HELP = ("matmul weights on the CPU: dense (as loaded), fp16 (FBGEMM fp16
                 "per-token int8 activations in the decoder layers: a faster one-token decode than fp16)")
 
 
-def add_weights_argument(parser, default: str | None = "dense", extra: str = "") -> None:
-    """The ``--weights`` option of every command that loads a target (``models.packed.WeightFormat``)."""
+def add_weights_argument(parser, default: str | None = "auto", extra: str = "") -> None:
+    """The ``--weights`` option of every command that loads a target (``models.packed.WeightFormat``,
+    or ``auto``: ``models.auto_weights``)."""
+    from .auto_weights import AUTO
     from .packed import WeightFormat
-    parser.add_argument("--weights", choices=[w.value for w in WeightFormat], default=default,
+    parser.add_argument("--weights", choices=[AUTO] + [w.value for w in WeightFormat], default=default,
                         help=WEIGHTS_HELP + (extra or "; default %(default)s"))

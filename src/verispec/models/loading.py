@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .auto_weights import AUTO, auto_weights
 from .device import device_type, resolve_device
 from .config import ModelConfig
 from .packed import WeightFormat
@@ -148,14 +149,18 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32",
     ``weights="int4"``: int4 weight-only decoder layers, fp16-packed LM head (``int4``);
     ``weights="int4-all"``: int4 in the LM head too; ``weights="int4-head8"``: an int8 W8A8 LM head;
     ``weights="int4-a8"``: that head, and int8 activations per group of 32 in the decoder layers;
-    ``weights="int8"``: int8 weights x per-token int8 activations in the decoder layers (``int8``).
+    ``weights="int8"``: int8 weights x per-token int8 activations in the decoder layers (``int8``);
+    ``weights="auto"``: the fastest weights faithful to the checkpoint (``auto_weights``: int4 for
+    a 4-bit GGUF, else fp16 packing, dense off the CPU or for another dtype than float32).
     ``device``: where the weights live (``device.resolve_device``: cpu, auto, cuda, cuda:N...)."""
-    weights = check_weights(weights, dtype, device)
-    dev = resolve_device(device)
     from .gguf_loader import load_gguf
     from .hf_loader import load_hf_folder
     from .sources import resolve_model
     src = resolve_model(model)
+    if weights == AUTO:
+        weights = auto_weights(src.path, src.format, parse_dtype(dtype), device_type(device))
+    weights = check_weights(weights, dtype, device)
+    dev = resolve_device(device)
     cfg, state = load_gguf(src.path) if src.format == "gguf" else load_hf_folder(src.path)
     net = build_transformer(cfg, state, parse_dtype(dtype), dev)
     if weights is WeightFormat.FP16:
