@@ -321,4 +321,4 @@ def test_guard_fails_when_one_device_argument_is_removed(target, monkeypatch):
     with FactoryDeviceGuard() as guard:
         llm.generate(prompt, params)
     caught = {(f.file, f.function, f.factory) for f in _unexpected(guard)}
-    assert caught == {("logits.py", "depth", "zeros"), ("drafters/ngram.py", "_trie", "tensor")}, guard.report()
+    assert caught == {("core/logits.py", "depth", "zeros"), ("drafting/ngram.py", "_trie", "tensor")}, guard.report()
