@@ -130,7 +130,8 @@ def test_n_outputs_per_prompt_like_vllm(target):
 def test_cli_generate_json_with_logprobs_and_penalties(capsys, llm):
     from verispec.cli import main
     argv = ["generate", "--prompt", "The sky is", "--max-tokens", "6", "--json", "--logprobs", "2",
-            "--repetition-penalty", "1.2", "--speculative-config", '{"method": "ngram"}']
+            "--repetition-penalty", "1.2", "--speculative-config", '{"method": "ngram"}',
+            "--weights", "dense"]                  # the reference ``llm`` is dense (the CLI's default is auto)
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     want = llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.2, logprobs=2))[0]

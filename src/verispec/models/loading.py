@@ -156,10 +156,12 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32",
     from .gguf_loader import load_gguf
     from .hf_loader import load_hf_folder
     from .sources import resolve_model
+    if weights != AUTO:                 # refused before anything is resolved or loaded
+        weights = check_weights(weights, dtype, device)
     src = resolve_model(model)
     if weights == AUTO:
-        weights = auto_weights(src.path, src.format, parse_dtype(dtype), device_type(device))
-    weights = check_weights(weights, dtype, device)
+        weights = check_weights(auto_weights(src.path, src.format, parse_dtype(dtype), device_type(device)),
+                                dtype, device)
     dev = resolve_device(device)
     cfg, state = load_gguf(src.path) if src.format == "gguf" else load_hf_folder(src.path)
     net = build_transformer(cfg, state, parse_dtype(dtype), dev)
