@@ -1,12 +1,15 @@
-"""The EAGLE-3 drafter's own step cost, before and after a change (#22 item 6).
+"""What one draft step of each shipped head costs, by how its matmuls are packed (issue 37 item 1).
 
-``draft_costs`` (what the shape chooser measures: accept one token, then propose) of the shipped
-SmolLM2-135M EAGLE-3 head on the fp16-packed target, 2 threads: the fixed cost (catch-up, which
-also ranks depth 1) and the cost of one more level over w = 1, 2, 4, 8 nodes. One worker process
-per source tree (``--src DIR``, put first on ``PYTHONPATH``), interleaved round by round; medians
-over rounds of each round's fastest-of-``--reps`` timing.
+The shipped SmolLM2-135M heads beside the int4 target (the fast path, ``weights="auto"``), 2
+threads, batch 1, 256-token context. Per head and packing (fp16: what heads ran before; int8; int4:
+what a head beside an int4 target runs now), the costs the shape chooser measures
+(``drafting.eagle.draft_costs`` / ``drafting.medusa.draft_cost``: accept one token, then propose):
+the fixed cost (EAGLE: the catch-up, which also ranks depth 1; Medusa: every depth at once) and,
+for EAGLE heads, the cost of one more level over w = 1, 2, 4, 8 nodes. Each timing is the fastest of
+``--reps`` steps after a target forward (cold caches, as in an engine); the packings are timed in
+turns, ``--rounds`` times, and the median of the rounds is reported.
 
-    python benchmarks/draft_level_cost.py --src /path/before/src --label before --src src --label after
+    python benchmarks/draft_level_cost.py [--rounds 5] [--reps 15]
 
 Writes benchmarks/results/draft_level_cost.{json,md}.
 """
@@ -15,55 +18,89 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+PACKINGS = ("fp16", "int8", "int4")
+HEADS = {"eagle3": "smollm2-135m-eagle3", "eagle": "smollm2-135m-eagle", "medusa": "smollm2-135m-medusa"}
 
 
-def worker(reps: int) -> dict:
-    import torch
-
+def load_heads(target, reps: int, between):
+    """{(head, packing): timing function -> (fixed ms, ((w, level ms), ...))} over the shipped
+    heads and PACKINGS."""
+    from verispec.core.params import SamplingParams  # noqa: F401  (the drafters' imports)
+    from verispec.drafting.draft_vocab import head_vocab
     from verispec.drafting.eagle import draft_costs
     from verispec.drafting.eagle_head import HeadKind
-    from verispec.formats import load_eagle_head
-    from verispec.models.loading import load_model
-    torch.set_num_threads(2)
-    target = load_model("smollm2-135m", weights="fp16")
-    head = load_eagle_head(str(ROOT / "checkpoints" / "smollm2-135m-eagle3"), target.model, HeadKind.EAGLE3)
-    head.pack_fp16_(target.model.lm_head)
-    fixed, levels = draft_costs(head, reps=reps)
-    return {"fixed_ms": fixed, **{f"level_w{w}_ms": ms for w, ms in levels}}
+    from verispec.drafting.medusa import draft_cost
+    from verispec.formats import load_eagle_head, load_medusa_heads
+    out = {}
+    for name, folder in HEADS.items():
+        path = str(ROOT / "checkpoints" / folder)
+        for packing in PACKINGS:
+            if name == "medusa":
+                head = load_medusa_heads(path, target.model)
+                time_it = lambda h=head: (draft_cost(h, reps=reps, between=between), ())   # noqa: E731
+            else:
+                kind = HeadKind.EAGLE3 if name == "eagle3" else HeadKind.EAGLE1
+                head = load_eagle_head(path, target.model, kind)
+                time_it = lambda h=head: draft_costs(h, reps=reps, between=between)        # noqa: E731
+            vocab = head_vocab(None, path, head.cfg.vocab_size)
+            if vocab is not None:
+                head.restrict_vocab_(vocab.draft_ids)
+            head.pack_(packing, target.model.lm_head)
+            out[(name, packing)] = time_it
+    return out
 
 
 def main() -> None:
-    from interleave import add_arguments, run_rounds          # benchmarks/ (this script's folder)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(ap, rounds=5, out=str(HERE / "results" / "draft_level_cost"))
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--out", default=str(HERE / "results" / "draft_level_cost"))
     a = ap.parse_args()
-    if a.worker:
-        print(json.dumps(worker(a.reps)))
-        return
-    runs = run_rounds(__file__, a.src, a.label, a.rounds, ["--reps", str(a.reps)])
-    keys = list(runs[a.label[0]][0])
-    med = {lab: {k: statistics.median(x[k] for x in runs[lab]) for k in keys} for lab in a.label}
-    from machine import machine_line          # benchmarks/ (this script's folder)
+    import torch
+
+    from machine import machine_line
+    from verispec.models.loading import load_model
+    torch.set_num_threads(2)
+    target = load_model("smollm2-135m", weights="int4")
+    from verispec.drafting.draft_shape import target_step
+    timers = load_heads(target, a.reps, target_step(target.model))
+    runs: dict[str, list[dict]] = {}
+    for r in range(a.rounds):
+        for (name, packing), time_it in timers.items():
+            fixed, levels = time_it()
+            runs.setdefault(f"{name}/{packing}", []).append({"fixed_ms": fixed, **{f"w{w}": ms for w, ms in levels}})
+        print(f"round {r + 1}/{a.rounds} done", flush=True)
+    med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
     machine = machine_line()
-    Path(a.out + ".json").write_text(json.dumps({"machine": machine, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                                 "rounds": a.rounds, "reps": a.reps, "runs": runs, "median": med}, indent=1))
-    lines = ["# EAGLE-3 drafter step cost: before / after", "",
-             f"Machine: {machine}. SmolLM2-135M fp16-packed with the shipped EAGLE-3 head, 2 threads, batch 1, "
-             f"256-token context; `draft_costs` (accept one token + propose), fastest of {a.reps} per round, "
-             f"median over {a.rounds} interleaved rounds.", "",
-             "| cost | " + " | ".join(f"{lab} ms" for lab in a.label) + " | change |", "|---|" + "---|" * (len(a.label) + 1)]
-    for k in keys:
-        vals = [med[lab][k] for lab in a.label]
-        lines.append(f"| {k.removesuffix('_ms').replace('_', ' ')} | " + " | ".join(f"{v:.2f}" for v in vals) +
-                     f" | {vals[-1] / vals[0] - 1:+.0%} |")
-    Path(a.out + ".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    Path(a.out + ".json").write_text(json.dumps({"machine": machine, "date": date, "rounds": a.rounds,
+                                                 "reps": a.reps, "runs": runs, "median": med}, indent=1))
+    Path(a.out + ".md").write_text(render(med, machine, date, a.rounds, a.reps))
+    print(Path(a.out + ".md").read_text())
+
+
+def render(med: dict, machine: str, date: str, rounds: int, reps: int) -> str:
+    lines = ["# Draft step cost by head packing", "",
+             f"Machine: {machine}; {date}. SmolLM2-135M with int4 weights (the default fast path), the shipped "
+             f"heads, 2 threads, batch 1, 256-token context; fastest of {reps} steps, median of {rounds} "
+             "rounds, packings in turns. Fixed: EAGLE's catch-up (ranks depth 1), Medusa's every depth at "
+             "once. Level w: one more EAGLE level over w nodes. All in ms.", "",
+             "| head | packing | fixed | level w=1 | w=2 | w=4 | w=8 |", "|---|---|---|---|---|---|---|"]
+    for key, m in med.items():
+        name, packing = key.split("/")
+        cells = [f"{m[f'w{w}']:.2f}" if f"w{w}" in m else "-" for w in (1, 2, 4, 8)]
+        lines.append(f"| {name} | {packing} | {m['fixed_ms']:.2f} | " + " | ".join(cells) + " |")
+    lines += ["", "Heads beside an int4 target are packed int4 (`models.packed.draft_packing`); before, every "
+              "head was fp16-packed. A draft's numbers need not match the target's: each drafted token is "
+              "verified, so outputs stay the target's."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

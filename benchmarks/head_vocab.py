@@ -90,8 +90,8 @@ def costs(target, reps: int, rounds: int) -> dict:
         if cut:
             e3.restrict_vocab_(load_draft_vocab(e3_folder / "draft_vocab.safetensors", e3.cfg.vocab_size).draft_ids)
             md.restrict_vocab_(load_draft_vocab(md_folder / "draft_vocab.safetensors", md.cfg.vocab_size).draft_ids)
-        e3.pack_fp16_(target.model.lm_head)
-        md.pack_fp16_(target.model.lm_head)
+        e3.pack_("fp16", target.model.lm_head)
+        md.pack_("fp16", target.model.lm_head)
         made["cut" if cut else "full"] = (e3, md)
     out = {k: {"eagle3_vocab": e3.lm_head.out_features,
                "medusa_vocab": md.vocab_ids.numel() if md.vocab_ids is not None else md.cfg.vocab_size,

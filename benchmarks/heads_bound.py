@@ -81,7 +81,7 @@ def measure(reps: int) -> dict:
     for h, folder in ((head, e3_dir), (medusa, md_dir)):         # the shipped cuts, as the factories apply them
         if (folder / FOLDER_FILE).is_file():
             h.restrict_vocab_(load_draft_vocab(folder / FOLDER_FILE, target.config.vocab_size).draft_ids)
-        h.pack_fp16_(target.model.lm_head)
+        h.pack_("fp16", target.model.lm_head)
     verify = measure_verify(target.model, hidden_layers=head.hidden_layers, reps=reps, forward=forward)
     between = target_step(target.model, forward)
     fixed, levels = draft_costs(head, reps=reps, between=between)

@@ -165,6 +165,25 @@ def test_greedy_on_int4_target_equals_its_vanilla(int4_target, head_prompts, spe
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(o.metrics.num_drafts for o in got) > 0
     assert int4_target.weights is WeightFormat.INT4
+    if spec["method"] == "eagle3":              # the head drafts on the int4 kernel too
+        head = llm.make_engine(1, 64)._drafter.head
+        assert isinstance(head.lm_head, PackedInt4Linear) and isinstance(head.attn.fused, PackedInt4Linear)
+
+
+def test_draft_heads_take_the_targets_packing(int4_target):
+    """int4 beside int4 decoder layers, int8 beside int8, fp16 beside fp16, nothing beside dense
+    weights; a matrix the quantised kernel does not take (rows not a multiple of 16) is fp16."""
+    from verispec.models.loading import LoadedModel
+    from verispec.models.packed import DraftPacking, PackedFP16Linear, draft_packing, pack_linears_
+    head = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 24))
+    as_loaded = lambda w: LoadedModel(name="t", path=None, format="hf", config=None, model=None,  # noqa: E731
+                                      tokenizer=None, weights=w)
+    assert draft_packing(int4_target, head) is DraftPacking.INT4
+    assert draft_packing(as_loaded(WeightFormat.INT8), head) is DraftPacking.INT8
+    assert draft_packing(as_loaded(WeightFormat.FP16), head) is DraftPacking.FP16
+    assert draft_packing(as_loaded(WeightFormat.DENSE), head) is None
+    assert pack_linears_(head, DraftPacking.INT4) == 2
+    assert isinstance(head[0], PackedInt4Linear) and isinstance(head[1], PackedFP16Linear)
 
 
 @pytest.fixture(scope="module")

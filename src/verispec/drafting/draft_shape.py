@@ -342,8 +342,9 @@ def time_round_robin(calls: dict, reps: int = 7, warmup: int = 1) -> dict:
     return best
 
 
-# bumped when what is measured changes (2: draft steps timed after a target forward, cold caches)
-COST_VERSION = 2
+# bumped when what is measured changes (2: draft steps timed after a target forward, cold caches;
+# 3: heads beside int4 / int8 targets packed int4 / int8)
+COST_VERSION = 3
 
 
 def cost_key(target, head_folder: str | Path, kind: str, compiled: bool = False) -> str:

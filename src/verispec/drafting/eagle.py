@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .draft_shape import ShapedFactory, plan_shape, time_ms
-from ..models.packed import follows_packed_target
+from ..models.packed import draft_packing
 from ..core.params import SamplingParams
 from .shipped import with_shipped_head
 from .spec_config import SpecConfigError, TreeHeadConfig
@@ -297,8 +297,9 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
     except CheckpointError as e:
         raise SpecConfigError(f"speculative_config 'model': {e}") from e
     cut = _restrict_vocab(head, config)
-    if follows_packed_target(target, head):
-        head.pack_fp16_(target.model.lm_head)       # draft with the target's fp16-packed kernels
+    packing = draft_packing(target, head)
+    if packing is not None:
+        head.pack_(packing, target.model.lm_head)   # draft on the packed kernels beside the target's
     tree = tree_config(config, DEFAULT_DYNAMIC_TREE)
     user = None
     if sets_shape(config):

@@ -180,13 +180,14 @@ class _HeadBase(nn.Module):
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_tokens)
 
-    def pack_fp16_(self, target_lm_head: nn.Module | None = None) -> "_HeadBase":
-        """fp16-packed matmuls (``models.packed``), for a head drafting for an fp16-packed target
-        (``target_lm_head``: the target's packed LM head, for heads that read tokens through it)."""
-        from ..models.packed import pack_linears_fp16_
+    def pack_(self, packing: "DraftPacking | str" = "fp16", target_lm_head: nn.Module | None = None) -> "_HeadBase":
+        """Packed matmuls (``models.packed.pack_linears_``: fp16, int4 or int8), for a head drafting
+        beside a packed target (``target_lm_head``: the target's packed LM head, for heads that
+        read tokens through it)."""
+        from ..models.packed import DraftPacking, pack_linears_
         self.attn.fuse_()
         self.mlp.fuse_()
-        pack_linears_fp16_(self, skip=("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up"))
+        pack_linears_(self, DraftPacking(packing), skip=("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up"))
         return self
 
     @staticmethod
@@ -234,7 +235,7 @@ class Eagle3Head(_HeadBase):
         """Draft over the target ids ``ids`` only (a subset of the head's draft vocabulary: its
         other ids are dropped): the LM head keeps those rows and ``d2t``/``t2d`` map the new
         columns. A runtime cut for cheaper levels (the LM head is most of a level's bytes); call
-        before ``pack_fp16_``. Raises when no id of ``ids`` is in the draft vocabulary."""
+        before ``pack_``. Raises when no id of ``ids`` is in the draft vocabulary."""
         v = self.cfg.vocab_size
         ids = torch.as_tensor(ids, dtype=torch.long).flatten()
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v:
@@ -291,7 +292,7 @@ class Eagle1Head(_HeadBase):
     def restrict_vocab_(self, ids: torch.Tensor) -> "Eagle1Head":
         """Read tokens over the target ids ``ids`` only (distinct, in range): a copy of those rows of
         the target's LM head (the target's own head is untouched); draft id j is target id
-        ``ids[j]``. Call before ``pack_fp16_``; once only."""
+        ``ids[j]``. Call before ``pack_``; once only."""
         from .draft_vocab import check_ids, rows_linear
         if self.vocab_ids is not None:
             raise ValueError("the head's vocabulary is already restricted")
@@ -300,9 +301,9 @@ class Eagle1Head(_HeadBase):
         self.vocab_ids = ids
         return self
 
-    def pack_fp16_(self, target_lm_head: nn.Module | None = None) -> "Eagle1Head":
+    def pack_(self, packing: "DraftPacking | str" = "fp16", target_lm_head: nn.Module | None = None) -> "Eagle1Head":
         from ..models.packed import shared_reader
-        super().pack_fp16_()            # the cut's own rows (vocab_head) too
+        super().pack_(packing)          # the cut's own rows (vocab_head) too
         if self.vocab_head is None:
             self.__dict__["_lm_reader"] = shared_reader(self.target_lm_head, target_lm_head)   # not a submodule
         return self

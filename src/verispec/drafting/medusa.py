@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .draft_shape import ShapedFactory, plan_shape, time_ms
-from ..models.packed import follows_packed_target
+from ..models.packed import draft_packing
 from ..core.params import SamplingParams
 from .shipped import with_shipped_head
 from .spec_config import MedusaSpecConfig, SpecConfigError
@@ -134,8 +134,9 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
     vocab = head_vocab(config.draft_vocab, config.model, heads.cfg.vocab_size)
     if vocab is not None:
         heads.restrict_vocab_(vocab.draft_ids)
-    if follows_packed_target(target, heads):
-        heads.pack_fp16_(target.model.lm_head)      # draft with the target's fp16-packed kernels
+    packing = draft_packing(target, heads)
+    if packing is not None:
+        heads.pack_(packing, target.model.lm_head)  # draft on the packed kernels beside the target's
     tree = medusa_tree(config, heads.cfg.num_heads)
     user = tree.choices if config.tree is not None or config.num_speculative_tokens is not None else None
     shape, gate = plan_shape(target, config.model, "medusa",

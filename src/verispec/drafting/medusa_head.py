@@ -72,7 +72,7 @@ class MedusaHeads(nn.Module):
         """Project onto the target ids ``ids`` [D] only (increasing, distinct, in range): output
         column j is target id ``ids[j]``. Tied heads get one shared projection of those rows of the
         target's LM head (a copy: the target's own head is untouched); untied heads keep those rows of
-        their own. Call before ``pack_fp16_``; once only."""
+        their own. Call before ``pack_``; once only."""
         from .draft_vocab import check_ids, rows_linear
         if self.vocab_ids is not None:
             raise ValueError("the Medusa heads' vocabulary is already restricted")
@@ -88,11 +88,12 @@ class MedusaHeads(nn.Module):
         self.vocab_ids = ids
         return self
 
-    def pack_fp16_(self, target_lm_head: nn.Module | None = None) -> "MedusaHeads":
-        """fp16-packed matmuls (``models.packed``), for heads drafting for an fp16-packed target
-        (``target_lm_head``: the target's packed LM head, which tied heads read through)."""
-        from ..models.packed import pack_linears_fp16_, shared_reader
-        pack_linears_fp16_(self)
+    def pack_(self, packing: "DraftPacking | str" = "fp16", target_lm_head: nn.Module | None = None) -> "MedusaHeads":
+        """Packed matmuls (``models.packed.pack_linears_``: fp16, int4 or int8), for heads drafting
+        beside a packed target (``target_lm_head``: the target's packed LM head, which tied heads
+        read through)."""
+        from ..models.packed import DraftPacking, pack_linears_, shared_reader
+        pack_linears_(self, DraftPacking(packing))
         if self.lm_heads is None and self.vocab_head is None:
             self.__dict__["_lm_reader"] = shared_reader(self.target_lm_head, target_lm_head)   # not a submodule
         return self
