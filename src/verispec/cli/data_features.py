@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ..models.device import add_device_argument
+from .train import add_target_weights_argument
 
 
 def cmd_features(args: argparse.Namespace) -> int:
@@ -14,7 +15,7 @@ def cmd_features(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prep = prepare_data(args.model, args.data, max_length=args.max_length, heldout_fraction=args.heldout_fraction,
-                        limit=args.limit, device=args.device)
+                        limit=args.limit, device=args.device, weights=args.target_weights)
     n = prep.target.model.cfg.num_layers
     ids = tuple(args.aux_layer_ids) if args.aux_layer_ids else EagleHeadConfig.default_aux_layer_ids(n)
     layers = tuple(k - 1 for k in ids)
@@ -36,5 +37,6 @@ def add_features_parser(dsub) -> None:
     f.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     f.add_argument("--threads", type=int)
     add_device_argument(f)
+    add_target_weights_argument(f)
     f.add_argument("--quiet", action="store_true")
     f.set_defaults(func=cmd_features)

@@ -5,6 +5,16 @@ import argparse
 from pathlib import Path
 
 from ..models.device import add_device_argument
+
+
+def add_target_weights_argument(p: argparse.ArgumentParser) -> None:
+    """``--target-weights``: the frozen target's weights while its features are read (training,
+    feature capture): those of the target the head will draft beside (``auto`` is the default
+    everywhere else; here ``dense`` keeps older runs reproducible)."""
+    from ..models.auto_weights import AUTO
+    from ..models.packed import WeightFormat
+    p.add_argument("--target-weights", choices=[AUTO] + [w.value for w in WeightFormat], default="dense",
+                   help="the target's weights while its features are read (default: %(default)s)")
 from .train_eval import eval_only
 
 
@@ -33,6 +43,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--threads", type=int)
     add_device_argument(p)
+    add_target_weights_argument(p)
     p.add_argument("--quiet", action="store_true")
 
 
@@ -61,7 +72,8 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prep = prepare_data(args.model, args.data, max_length=args.max_length,
-                        heldout_fraction=args.heldout_fraction, limit=args.limit, device=args.device)
+                        heldout_fraction=args.heldout_fraction, limit=args.limit, device=args.device,
+                        weights=args.target_weights)
     target = prep.target.model
     vocab_path = Path(args.out) / "draft_vocab.pt"
     counts = token_counts(((e.input_ids, e.loss_mask) for e in prep.train), target.cfg.vocab_size)

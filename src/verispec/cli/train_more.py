@@ -18,7 +18,8 @@ def _setup(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     return prepare_data(args.model, args.data, max_length=args.max_length,
-                        heldout_fraction=args.heldout_fraction, limit=args.limit, device=args.device)
+                        heldout_fraction=args.heldout_fraction, limit=args.limit, device=args.device,
+                        weights=args.target_weights)
 
 
 def _save_dtype(args):

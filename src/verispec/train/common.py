@@ -37,12 +37,13 @@ def load_many(paths: list[str], limit: int | None) -> tuple[list, str]:
 
 def prepare_data(model: str, data: str | list[str], *, max_length: int, heldout_fraction: float,
                  limit: int | None, split_seed: int = 0, dtype: str = "float32",
-                 device: str | torch.device | None = "cpu") -> Prepared:
+                 device: str | torch.device | None = "cpu", weights: str = "dense") -> Prepared:
     """The frozen target (on this process's ``loop.training_device(device)``: each rank's GPU under
-    torchrun) and the tokenized train / held-out split."""
+    torchrun) and the tokenized train / held-out split. ``weights``: the target's weights
+    (``load_model``), so that a head learns the features of the target it will draft beside."""
     from ..models.loading import load_model
     from .loop import training_device
-    target = load_model(model, dtype=dtype, device=training_device(device))
+    target = load_model(model, dtype=dtype, device=training_device(device), weights=weights)
     convs, report = load_many([data] if isinstance(data, str) else list(data), limit)
     train_c, held_c = split_ids(convs, heldout_fraction, split_seed)
     train = tokenize_all(target.tokenizer, train_c, max_length)
