@@ -21,10 +21,9 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/verispec generate --model smollm2-135m --chat --max-tokens 96 \
-	  --prompt "Explain in three sentences why the sky is blue." \
-	  --speculative-config '{"method": "eagle3"}' --weights fp16 \
-	  --compare-vanilla
+	$(BIN)/verispec generate --model smollm2-135m --chat --max-tokens 128 \
+	  --prompt "Write a short story about a lighthouse keeper who finds a message in a bottle." \
+	  --speculative-config '{"method": "eagle3"}' --compile --compare-vanilla
 
 # Two pytest-xdist workers of one torch thread each (whole files per worker: module fixtures are
 # built once): on the 2-core CI machine 9:30 instead of 17:37 for one process of two threads.

@@ -104,6 +104,8 @@ def cmd_generate(args) -> int:
     spec = f", mean acceptance length {m.mean_acceptance_length:.2f}" if m.num_drafts else ""
     print(f"[{m.num_output_tokens} tokens in {m.time_s:.2f}s: {m.tokens_per_second:.1f} tokens/s{spec}]",
           file=sys.stderr)
+    chosen = " (auto: the fastest faithful to the checkpoint)" if args.weights == "auto" else ""
+    print(f"[weights: {llm.target.weights.value}{chosen}]", file=sys.stderr)
     if llm.draft_shape is not None:
         print(f"[draft shape chosen from this machine's measured costs: {llm.draft_shape.describe()}]",
               file=sys.stderr)
