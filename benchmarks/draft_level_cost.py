@@ -97,7 +97,7 @@ def render(med: dict, machine: str, date: str, rounds: int, reps: int) -> str:
         name, packing = key.split("/")
         cells = [f"{m[f'w{w}']:.2f}" if f"w{w}" in m else "-" for w in (1, 2, 4, 8)]
         lines.append(f"| {name} | {packing} | {m['fixed_ms']:.2f} | " + " | ".join(cells) + " |")
-    lines += ["", "Heads beside an int4 target are packed int4 (`models.packed.draft_packing`); before, every "
+    lines += ["", "Heads beside an int4 target are packed int4 (`models.draft_packing`); before, every "
               "head was fp16-packed. A draft's numbers need not match the target's: each drafted token is "
               "verified, so outputs stay the target's."]
     return "\n".join(lines) + "\n"

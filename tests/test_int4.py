@@ -174,7 +174,8 @@ def test_draft_heads_take_the_targets_packing(int4_target):
     """int4 beside int4 decoder layers, int8 beside int8, fp16 beside fp16, nothing beside dense
     weights; a matrix the quantised kernel does not take (rows not a multiple of 16) is fp16."""
     from verispec.models.loading import LoadedModel
-    from verispec.models.packed import DraftPacking, PackedFP16Linear, draft_packing, pack_linears_
+    from verispec.models.draft_packing import DraftPacking, draft_packing, pack_linears_
+    from verispec.models.packed import PackedFP16Linear
     head = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 24))
     as_loaded = lambda w: LoadedModel(name="t", path=None, format="hf", config=None, model=None,  # noqa: E731
                                       tokenizer=None, weights=w)

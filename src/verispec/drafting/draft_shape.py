@@ -493,3 +493,28 @@ def plan_shape(target, head_folder: str | Path, kind: str, measure_draft, max_de
         shape = choose_shape(target, head_folder, kind, req, hidden_layers, forward, costs)
         return shape, (() if adaptive is False else gate_options(shape.choices, req.profile, costs))
     return None, gate_options(user_choices, req.profile, costs)
+
+
+def load_head(config, target, load):
+    """``(config, head)``: ``config`` with its shipped head filled in (``shipped.with_shipped_head``)
+    and ``load(folder)``'s head; a checkpoint that does not load is a ``SpecConfigError``."""
+    from ..formats import CheckpointError
+    from .shipped import with_shipped_head
+    from .spec_config import SpecConfigError
+    config = with_shipped_head(config, target)
+    try:
+        return config, load(config.model)
+    except CheckpointError as e:
+        raise SpecConfigError(f"speculative_config 'model': {e}") from e
+
+
+def head_factory(target, config, kind: str, tree, user_choices, measure_draft, max_depth: int, make,
+                 hidden_layers: tuple[int, ...] = (), forward=None) -> ShapedFactory:
+    """The factory of a head's drafters: ``plan_shape``'s chosen tree (as a static tree) where it
+    chose one, else ``tree``; ``make(tree, max_batch, max_len)`` makes one engine's drafter."""
+    from .dynamic_tree import StaticTreeConfig
+    shape, gate = plan_shape(target, config.model, kind, measure_draft, max_depth, user_choices,
+                             config.adaptive_drafting, hidden_layers=hidden_layers, forward=forward)
+    if shape is not None:
+        tree = StaticTreeConfig(shape.choices)
+    return ShapedFactory(lambda max_batch, max_len: make(tree, max_batch, max_len), shape, gate)

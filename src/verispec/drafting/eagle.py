@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from .draft_shape import ShapedFactory, plan_shape, time_ms
-from ..models.packed import draft_packing
+from .draft_shape import head_factory, load_head, time_ms
+from ..models.draft_packing import draft_packing
 from ..core.params import SamplingParams
-from .shipped import with_shipped_head
 from .spec_config import SpecConfigError, TreeHeadConfig
 from ..core.tree import DraftTree, pack_trees
 from ..core.features import TargetFeatures, join_features
@@ -288,14 +287,10 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
     modelled tokens/s from this machine's measured costs (``draft_shape``), and each engine a
     ``DraftGate`` (``adaptive_drafting``, see ``draft_shape.plan_shape``); otherwise the default
     dynamic tree. ``forward``: the target forward the engines run (its costs are measured)."""
-    from ..formats import CheckpointError, load_eagle_head
-    config = with_shipped_head(config, target)
+    from ..formats import load_eagle_head
     aux = getattr(config, "eagle_aux_hidden_state_layer_ids", None)     # Eagle3Config only
-    try:
-        head = load_eagle_head(config.model, target.model, kind,
-                               aux_layer_ids=tuple(aux) if aux is not None else None)
-    except CheckpointError as e:
-        raise SpecConfigError(f"speculative_config 'model': {e}") from e
+    config, head = load_head(config, target, lambda folder: load_eagle_head(
+        folder, target.model, kind, aux_layer_ids=tuple(aux) if aux is not None else None))
     cut = _restrict_vocab(head, config)
     packing = draft_packing(target, head)
     if packing is not None:
@@ -304,13 +299,10 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
     user = None
     if sets_shape(config):
         user = tree.choices if isinstance(tree, StaticTreeConfig) else ()
-    shape, gate = plan_shape(target, config.model, kind.value + cut,
-                             lambda between: draft_costs(head, between=between), 8, user,
-                             config.adaptive_drafting, hidden_layers=head.hidden_layers, forward=forward)
-    if shape is not None:
-        tree = StaticTreeConfig(shape.choices)
-    return ShapedFactory(lambda max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len),
-                         shape, gate)
+    return head_factory(target, config, kind.value + cut, tree, user,
+                        lambda between: draft_costs(head, between=between), 8,
+                        lambda tree, max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len),
+                        hidden_layers=head.hidden_layers, forward=forward)
 
 
 # -- measured costs ------------------------------------------------------------------------------

@@ -181,10 +181,10 @@ class _HeadBase(nn.Module):
         return F.embedding(tokens, self.embed_tokens)
 
     def pack_(self, packing: "DraftPacking | str" = "fp16", target_lm_head: nn.Module | None = None) -> "_HeadBase":
-        """Packed matmuls (``models.packed.pack_linears_``: fp16, int4 or int8), for a head drafting
+        """Packed matmuls (``models.draft_packing.pack_linears_``: fp16, int4 or int8), for a head drafting
         beside a packed target (``target_lm_head``: the target's packed LM head, for heads that
         read tokens through it)."""
-        from ..models.packed import DraftPacking, pack_linears_
+        from ..models.draft_packing import DraftPacking, pack_linears_
         self.attn.fuse_()
         self.mlp.fuse_()
         pack_linears_(self, DraftPacking(packing), skip=("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up"))

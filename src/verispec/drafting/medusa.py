@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .draft_shape import ShapedFactory, plan_shape, time_ms
-from ..models.packed import draft_packing
+from .draft_shape import head_factory, load_head, time_ms
+from ..models.draft_packing import draft_packing
 from ..core.params import SamplingParams
-from .shipped import with_shipped_head
 from .spec_config import MedusaSpecConfig, SpecConfigError
 from ..core.tree import DraftTree, tree_from_choices, validate_choices
 from ..models.device import module_device
@@ -124,13 +123,9 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
     depths come from one heads forward, so only the verify cost grows with the tree), and each
     engine a ``DraftGate`` (``adaptive_drafting``, see ``draft_shape.plan_shape``). ``forward``:
     the target forward the engines run (its costs are measured)."""
-    from ..formats import CheckpointError, load_medusa_heads
+    from ..formats import load_medusa_heads
     from .draft_vocab import head_vocab
-    config = with_shipped_head(config, target)
-    try:
-        heads = load_medusa_heads(config.model, target.model)
-    except CheckpointError as e:
-        raise SpecConfigError(f"speculative_config 'model': {e}") from e
+    config, heads = load_head(config, target, lambda folder: load_medusa_heads(folder, target.model))
     vocab = head_vocab(config.draft_vocab, config.model, heads.cfg.vocab_size)
     if vocab is not None:
         heads.restrict_vocab_(vocab.draft_ids)
@@ -139,12 +134,9 @@ def build_medusa_factory(config: MedusaSpecConfig, target, forward=None):
         heads.pack_(packing, target.model.lm_head)  # draft on the packed kernels beside the target's
     tree = medusa_tree(config, heads.cfg.num_heads)
     user = tree.choices if config.tree is not None or config.num_speculative_tokens is not None else None
-    shape, gate = plan_shape(target, config.model, "medusa",
-                             lambda between: (draft_cost(heads, between=between), ()), heads.cfg.num_heads,
-                             user, config.adaptive_drafting, forward=forward)
-    if shape is not None:
-        tree = StaticTreeConfig(shape.choices)
-    return ShapedFactory(lambda max_batch, max_len: MedusaDrafter(heads, tree), shape, gate)
+    return head_factory(target, config, "medusa", tree, user,
+                        lambda between: (draft_cost(heads, between=between), ()), heads.cfg.num_heads,
+                        lambda tree, max_batch, max_len: MedusaDrafter(heads, tree), forward=forward)
 
 
 def draft_cost(heads: MedusaHeads, reps: int = 7, between=None) -> float:

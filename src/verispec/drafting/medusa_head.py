@@ -89,10 +89,11 @@ class MedusaHeads(nn.Module):
         return self
 
     def pack_(self, packing: "DraftPacking | str" = "fp16", target_lm_head: nn.Module | None = None) -> "MedusaHeads":
-        """Packed matmuls (``models.packed.pack_linears_``: fp16, int4 or int8), for heads drafting
+        """Packed matmuls (``models.draft_packing.pack_linears_``: fp16, int4 or int8), for heads drafting
         beside a packed target (``target_lm_head``: the target's packed LM head, which tied heads
         read through)."""
-        from ..models.packed import DraftPacking, pack_linears_, shared_reader
+        from ..models.draft_packing import DraftPacking, pack_linears_
+        from ..models.packed import shared_reader
         pack_linears_(self, DraftPacking(packing))
         if self.lm_heads is None and self.vocab_head is None:
             self.__dict__["_lm_reader"] = shared_reader(self.target_lm_head, target_lm_head)   # not a submodule
