@@ -217,6 +217,39 @@ def test_resume_continues_the_same_curve(tmp_path, single_thread):
     assert abs(resumed.eval["loss"] - straight.eval["loss"]) < 1e-5
 
 
+def test_a_nan_step_fails_loudly_and_keeps_the_saved_state(tmp_path, single_thread):
+    """A non-finite loss stops the run before the optimizer applies it (issue 37: a run that ends
+    NaN must fail loudly); the state saved before it is finite and resumes."""
+    from verispec.train.loop import NonFiniteLoss
+    data = tiny_examples(16)
+    task = tiny_task(tiny_target(), data)
+    tr = Trainer(task, data, data[:4], _cfg(tmp_path, 6, save_every=2))
+    for _ in range(2):
+        tr.train_step()
+    tr._save_state()
+    before = {k: v.clone() for k, v in task.module.state_dict().items()}
+    with torch.no_grad():
+        next(p for p in task.module.parameters() if p.requires_grad and p.dim() >= 2).fill_(float("nan"))
+    with pytest.raises(NonFiniteLoss, match="step 3"):
+        tr.train_step()
+    assert tr.step == 2
+    resumed = Trainer(tiny_task(tiny_target(), data), data, data[:4], _cfg(tmp_path, 6))
+    assert resumed.step == 2
+    for k, v in resumed.task.module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+        if v.is_floating_point():
+            assert bool(torch.isfinite(v).all()), k
+
+
+def test_a_sitting_at_the_final_step_reports_the_last_logged_loss(tmp_path, single_thread):
+    """Resuming a finished run (to write its checkpoint) runs no step: its result carries the
+    last logged training record, not an empty one (the card once printed "loss nan")."""
+    data = tiny_examples(16)
+    first = Trainer(tiny_task(tiny_target(), data), data, data[:4], _cfg(tmp_path, 3)).fit()
+    again = Trainer(tiny_task(tiny_target(), data), data, data[:4], _cfg(tmp_path, 3)).fit()
+    assert again.last["step"] == 3 and again.last["loss"] == pytest.approx(first.last["loss"])
+
+
 @pytest.mark.parametrize("method", ["eagle3", "medusa", "eagle"])
 def test_ddp_two_processes_match_one(tmp_path, method):
     """Every trainer, unchanged, under torchrun: 2 processes follow the 1-process curve."""

@@ -266,12 +266,13 @@ class Trainer:
         params = [p for p in self.task.module.parameters() if p.requires_grad]
         gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm) if self.cfg.max_grad_norm > 0 \
             else torch.tensor(0.0, device=dev)
+        loss = float(_all_sum(loss_sum)) / max(float(count), 1.0)
+        _check_finite(self.step + 1, loss, float(gnorm), params)
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         self.step += 1
-        loss = float(_all_sum(loss_sum)) / max(float(count), 1.0)
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(gnorm), "count": float(count)}
         rec.update(_ratios({k: _all_sum(v) for k, v in sorted(stats.items())}))
         return rec
@@ -300,10 +301,25 @@ class Trainer:
         rec.update(_ratios({k: _all_sum(v) for k, v in sorted(stats.items())}))
         return rec
 
+    def _last_logged(self) -> dict:
+        """The last training record of ``log.jsonl`` (a sitting that resumes at its final step
+        runs no step: its result reports the step that ran last, not an empty record)."""
+        if not self.log_path.exists():
+            return {}
+        last = {}
+        for line in self.log_path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "loss" in rec and "eval" not in rec:
+                last = rec
+        return last
+
     def fit(self) -> TrainResult:
         from tqdm.auto import tqdm
         cfg = self.cfg
-        t0, last, ev = time.perf_counter(), {}, {}
+        t0, last, ev = time.perf_counter(), self._last_logged(), {}
         bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step",
                    disable=not cfg.progress or self.rank != 0)
         stop = self.total if cfg.stop_after is None else min(self.total, self.step + cfg.stop_after)
@@ -329,6 +345,22 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
         return TrainResult(self.step, time.perf_counter() - t0, last, ev, self.log_path, cfg.batch_size)
+
+
+class NonFiniteLoss(FloatingPointError):
+    """A training step produced a NaN/inf loss or gradient: the run stops before the optimizer
+    applies it, so the last saved state (``train_state.pt``) is still finite."""
+
+
+def _check_finite(step: int, loss: float, grad_norm: float, params: list[torch.Tensor]) -> None:
+    """Raise ``NonFiniteLoss`` when ``loss`` or ``grad_norm`` is not finite, naming the step and
+    the parameters whose gradients are not."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    bad = sum(1 for p in params if p.grad is not None and not bool(torch.isfinite(p.grad).all()))
+    raise NonFiniteLoss(f"step {step}: loss {loss}, gradient norm {grad_norm} ({bad} parameter(s) with "
+                        "non-finite gradients); the optimizer step was not taken and the run stops. "
+                        "Resume from the last saved state with a lower --lr, or --dtype fp32")
 
 
 def _ratios(stats: dict[str, torch.Tensor]) -> dict[str, float]:
