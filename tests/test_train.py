@@ -374,3 +374,20 @@ def test_ship_copies_the_checkpoint_and_writes_the_card(tmp_path, single_thread)
     assert "| acc | 0.500 | 0.250 |" in text and "12 sequences seen (3.00 epochs)" in text
     assert "3 conversations, 90 answer tokens" in text and "- shared machine" in text
     assert "verispec train eagle3 ..." in text and "(not measured)" in text
+
+
+def test_draft_losses_rank_the_target_argmax_and_match_the_cli():
+    """Every ``DraftLoss`` is lowest when the head's distribution is the target's; ``lk`` is
+    -log of the acceptance rate sum min(p, q); the CLI offers exactly the enum's values."""
+    from verispec.cli.train import DRAFT_LOSSES
+    from verispec.train.eagle3 import DraftLoss
+    assert DRAFT_LOSSES == tuple(x.value for x in DraftLoss)
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(16, 32, generator=g) * 2, -1)
+    tid = p.argmax(-1)
+    matched, other = p.log(), torch.randn(16, 32, generator=g)
+    for loss in DraftLoss:
+        assert loss.per_position(p, matched, tid).mean() < loss.per_position(p, other, tid).mean(), loss
+    q = torch.softmax(other, -1)
+    assert torch.allclose(DraftLoss.LK.per_position(p, other, tid), -torch.minimum(p, q).sum(-1).log(), atol=1e-5)
+    assert torch.allclose(DraftLoss.HARD.per_position(p, other, tid), -q.log()[torch.arange(16), tid], atol=1e-5)

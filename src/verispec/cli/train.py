@@ -17,6 +17,8 @@ def add_target_weights_argument(p: argparse.ArgumentParser) -> None:
                    help="the target's weights while its features are read (default: %(default)s)")
 from .train_eval import eval_only
 
+DRAFT_LOSSES = ("soft", "hard", "lk", "soft+hard")     # train.eagle3.DraftLoss (not imported: torch-free parser)
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="target model (name or path)")
@@ -96,14 +98,15 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
         from ..train.features import FeatureStore
         features = FeatureStore(args.features, head.aux_layers,
                                 target.cfg.hidden_size)
-    task = Eagle3Task(target, head, ttt_length=args.ttt_length, decay=args.ttt_decay, features=features)
+    task = Eagle3Task(target, head, ttt_length=args.ttt_length, decay=args.ttt_decay, features=features,
+                      loss=args.loss)
     task.save_dtype = torch.bfloat16 if args.save_dtype == "bf16" else torch.float32
     if args.eval_only:
         no_resume = dataclasses.replace(train_config(args), resume=False)   # evaluate the head, not a run's state
         return eval_only(args, Trainer(task, prep.train, prep.heldout, no_resume), len(prep.heldout))
     result = Trainer(task, prep.train, prep.heldout, train_config(args)).fit()
     write_meta(Path(args.out), prep, result, {
-        "method": "eagle3.1" if args.eagle31 else "eagle3", "ttt_length": args.ttt_length,
+        "method": "eagle3.1" if args.eagle31 else "eagle3", "ttt_length": args.ttt_length, "loss": args.loss,
         "draft_vocab_size": vocab.size, "draft_vocab_coverage": round(vocab.coverage(counts), 4)})
     done = result.steps >= train_config(args).max_steps if args.max_steps else (Path(args.out) / "checkpoint").exists()
     print(f"{'wrote ' + str(Path(args.out) / 'checkpoint') if done else 'stopped early (resume to finish)'}; "
@@ -145,6 +148,10 @@ def add_parser(sub) -> None:
     _common(e3)
     e3.add_argument("--ttt-length", type=int, default=7)
     e3.add_argument("--ttt-decay", type=float, default=0.8)
+    e3.add_argument("--loss", choices=DRAFT_LOSSES, default="soft",
+                    help="per-step loss against the target distribution (train.eagle3.DraftLoss): soft "
+                         "cross-entropy, hard (the target argmax), lk (-log acceptance rate) or soft+hard "
+                         "(default: %(default)s)")
     e3.add_argument("--draft-vocab-size", type=int, default=16384)
     e3.add_argument("--aux-layer-ids", type=int, nargs=3, help="vLLM ids (k = output of layer k-1)")
     e3.add_argument("--eagle31", action="store_true", help="EAGLE-3.1: fc_norm + norm_output")

@@ -8,9 +8,9 @@ output state of step i-1 at the same column, with tokens, targets and masks shif
 to step-0 pairs at columns <= c (the committed prefix at inference) and to its own column at steps
 1..i (its ancestors in the draft tree): exactly what the drafter sees at tree depth i+1.
 
-Loss per step: soft cross-entropy against the target's distribution restricted (renormalised) to
-the draft vocabulary, at positions that are assistant tokens and whose full-vocabulary target
-argmax lies in the draft vocabulary; step i weighted ``decay ** i`` (0.8). The sum over steps is
+Loss per step (``DraftLoss``), at positions that are assistant tokens and whose full-vocabulary
+target argmax lies in the draft vocabulary: by default soft cross-entropy against the target's
+distribution restricted (renormalised) to the draft vocabulary; step i weighted ``decay ** i`` (0.8). The sum over steps is
 normalised by the number of valid step-0 positions. ``acc{i}`` = share of valid positions at step
 i where the head's argmax equals the target's.
 """
@@ -43,6 +43,32 @@ class Eagle3Inputs:
     target_ids: torch.Tensor    # [B, L] draft id of the target argmax at c+1 (-1: out of vocab)
     valid: torch.Tensor         # [B, L] bool: token c+2 is an assistant token, argmax in vocab
     count: float                # valid step-0 positions
+
+
+class DraftLoss(str, enum.Enum):
+    """What each TTT step minimises against the target distribution p (over the draft vocabulary)
+    with the head's q (compared in ``benchmarks/results/loss_ablation.md``):
+    - ``soft``: cross-entropy H(p, q), forward KL up to a constant (EAGLE, SpecForge);
+    - ``hard``: cross-entropy of the target's argmax, what greedy acceptance counts;
+    - ``lk``: -log sum_v min(p_v, q_v), the log of the acceptance rate of sampled speculation
+      (an LK-style loss: the acceptance itself, not a proxy);
+    - ``soft+hard``: their sum."""
+    SOFT = "soft"
+    HARD = "hard"
+    LK = "lk"
+    SOFT_HARD = "soft+hard"
+
+    def per_position(self, p: torch.Tensor, logits: torch.Tensor, tid: torch.Tensor) -> torch.Tensor:
+        """The loss at each of N positions: ``p`` [N, D] target probabilities, ``logits`` [N, D]
+        the head's, ``tid`` [N] the target argmax's draft id."""
+        logq = F.log_softmax(logits.float(), dim=-1)
+        if self is DraftLoss.LK:
+            return -torch.minimum(p, logq.exp()).sum(-1).clamp_min(1e-6).log()
+        hard = -logq.gather(-1, tid[:, None])[:, 0]
+        if self is DraftLoss.HARD:
+            return hard
+        soft = -(p * logq).sum(-1)
+        return soft + hard if self is DraftLoss.SOFT_HARD else soft
 
 
 def new_head_config(target_cfg, draft_vocab_size: int, aux_layer_ids: tuple[int, ...] | None = None,
@@ -150,11 +176,13 @@ def _shift(x: torch.Tensor, i: int, fill) -> torch.Tensor:
 class Eagle3TTT(nn.Module):
     """The trainable module: ``forward(Eagle3Inputs) -> StepOut`` (loss sum, acc@i stats)."""
 
-    def __init__(self, head: Eagle3Head, ttt_length: int = 7, decay: float = 0.8):
+    def __init__(self, head: Eagle3Head, ttt_length: int = 7, decay: float = 0.8,
+                 loss: DraftLoss | str = DraftLoss.SOFT):
         super().__init__()
         if ttt_length < 1:
             raise ValueError("ttt_length must be >= 1")
         self.head, self.ttt_length, self.decay = head, ttt_length, decay
+        self.loss = DraftLoss(loss)
 
     def states(self, inp: Eagle3Inputs) -> list[torch.Tensor]:
         """Final-normed head states [B, L, h] of every TTT step."""
@@ -181,8 +209,7 @@ class Eagle3TTT(nn.Module):
             p = _shift(inp.target_p, i, 0.0)[valid]
             tid = _shift(inp.target_ids, i, -1)[valid]
             logits = self.head.lm_head(normed[valid])                          # [n_valid, D]
-            ce = -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1)
-            loss = loss + (self.decay ** i) * ce.sum()
+            loss = loss + (self.decay ** i) * self.loss.per_position(p, logits, tid).sum()
             n = valid.sum().float()
             stats[f"acc{i}"] = torch.stack([(logits.argmax(-1) == tid).sum().float(), n])
             if not self.training:
@@ -198,7 +225,8 @@ class Eagle3TTT(nn.Module):
 class Eagle3Task:
     """Couples the frozen target with an ``Eagle3TTT`` module (see ``loop.Task``)."""
 
-    def __init__(self, target, head: Eagle3Head, ttt_length: int = 7, decay: float = 0.8, features=None):
+    def __init__(self, target, head: Eagle3Head, ttt_length: int = 7, decay: float = 0.8, features=None,
+                 loss: DraftLoss | str = DraftLoss.SOFT):
         """``features``: a ``features.FeatureStore`` to read target features from instead of running
         the target forward (its ``lm_head`` still gives the target distribution)."""
         if head.cfg.vocab_size != target.cfg.vocab_size or head.cfg.target_hidden_size != target.cfg.hidden_size:
@@ -206,7 +234,7 @@ class Eagle3Task:
                              f"does not fit the target (vocab {target.cfg.vocab_size}, hidden {target.cfg.hidden_size})")
         self.target = target.eval().requires_grad_(False)
         self.features = features
-        self.module = Eagle3TTT(head, ttt_length, decay).to(module_device(target))   # trained where the target runs
+        self.module = Eagle3TTT(head, ttt_length, decay, loss).to(module_device(target))   # trained where the target runs
         vocab = DraftVocab(d2t=head.d2t, t2d=head.t2d)
         self.draft_ids = vocab.draft_ids
         self.target_to_draft = vocab.target_to_draft()
