@@ -248,6 +248,53 @@ def test_pairs_and_tree_match_plain_forwards(kind, kw, one_thread):
             m[row] += a + 1
 
 
+@pytest.mark.parametrize("kind,kw,compile", [*[(k, w, False) for k, w in HEAD_VARIANTS],
+                                              (HeadKind.EAGLE3, {}, True)],
+                         ids=["eagle3", "eagle3.1", "eagle1", "eagle3-compiled"])
+def test_chains_match_plain_forwards(kind, kw, compile, one_thread):
+    """The chain program (``eagle_chain``): two rows, ragged accepts, budgets that cut a chain
+    short or skip a step (pending pairs wait, then the general path catches up): every chain
+    is the argmax path of plain forwards, and the program drafted every chain after the first."""
+    model = tiny_target()
+    vocab_ids = torch.tensor([0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15]) if kind is HeadKind.EAGLE3 else None
+    head = random_head(model, kind, vocab_ids, std=0.3, **kw)
+    tree = StaticTreeConfig.chain(3)
+    drafter = EagleDrafter(head, tree, max_batch=3, max_len=64, compile=compile)
+    calls = {"chain": 0}
+    chain = drafter._propose_chain
+    def counted(reqs):
+        out = chain(reqs)
+        calls["chain"] += out is not None
+        return out
+    drafter._propose_chain = counted
+    g = torch.Generator().manual_seed(0)
+    seqs = {1: torch.randint(0, 16, (48,), generator=g).tolist(), 2: torch.randint(0, 16, (48,), generator=g).tolist()}
+    full = {}
+    for row, seq in seqs.items():
+        o = model(torch.tensor([seq]), torch.arange(48)[None], hidden_layers=head.hidden_layers)
+        full[row] = TargetFeatures({i: o.hidden[i][0] for i in head.hidden_layers}, o.last_hidden[0])
+    fused = {row: head.fuse(f) for row, f in full.items()}
+    m = {1: 5, 2: 9}
+    for row in seqs:
+        drafter.start(row, seqs[row][:m[row]], _slice(full[row], 0, m[row]))
+    accepts = {1: [0, 2, 1, 3, 0, 0, 1], 2: [3, 0, 0, 2, 1, 2, 0]}
+    budgets = [None, None, 2, None, 0, None, 1]
+    for step in range(7):
+        reqs = [DraftRequest(row, seqs[row][:m[row] + 1], SamplingParams(temperature=0), g,
+                             max_nodes=budgets[step]) for row in seqs]
+        for r, t in zip(reqs, drafter.propose(reqs)):
+            want = 3 if budgets[step] is None else budgets[step]
+            assert len(t) == want and t.parents.tolist() == list(range(-1, want - 1))
+            if want:
+                _check_tree(head, fused[r.row], seqs[r.row], m[r.row], t, 1)
+        for row in seqs:
+            a = accepts[row][step]
+            drafter.accept(row, seqs[row][m[row]:m[row] + a + 1], _slice(full[row], m[row], m[row] + a + 1))
+            m[row] += a + 1
+    # all but step 0 (the prompt) and step 5 (pending pairs of two steps, after the skipped one)
+    assert calls["chain"] == 5
+
+
 def _slice(f: TargetFeatures, a: int, b: int) -> TargetFeatures:
     return TargetFeatures({i: h[a:b] for i, h in f.hidden.items()}, f.last_hidden[a:b])
 

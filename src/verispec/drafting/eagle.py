@@ -37,6 +37,7 @@ from ..core.tree import DraftTree, pack_trees
 from ..core.features import TargetFeatures, join_features
 from .base import DraftRequest, tree_on
 from .dynamic_tree import DynamicTreeConfig, RankBy, Ranked, StaticTreeConfig, TreeBuilder, TreeConfig, rank
+from .eagle_chain import chain_program
 from .eagle_head import Eagle3Head, EagleHead, HeadKind
 
 # Default dynamic tree: EAGLE-2's top-k 8 and depth 6; the node budget (DEFAULT_NUM_DRAFT_TOKENS)
@@ -48,7 +49,8 @@ class EagleDrafter:
     needs_last_hidden: bool
     hidden_layers: tuple[int, ...]
 
-    def __init__(self, head: EagleHead, tree: TreeConfig, *, max_batch: int, max_len: int):
+    def __init__(self, head: EagleHead, tree: TreeConfig, *, max_batch: int, max_len: int,
+                 compile: bool = False):
         self.head = head.eval().requires_grad_(False)
         self.tree = tree
         self.hidden_layers = tuple(head.hidden_layers)
@@ -60,6 +62,8 @@ class EagleDrafter:
         self.cache = head.new_cache(max_batch, max_len + self._cap + tree.max_expanded + 2)
         self.pending: dict[int, list[TargetFeatures]] = {}
         self.seen: dict[int, int] = {}        # context positions whose features arrived
+        # a chain (one child per node) drafts through ``eagle_chain``: static shapes, no host sync
+        self._chain = chain_program(head, compile) if _is_chain(tree) else None
 
     # -- protocol --------------------------------------------------------------------------
     def start(self, row: int, prompt_ids: list[int], features: TargetFeatures | None) -> None:
@@ -84,15 +88,53 @@ class EagleDrafter:
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         if not requests:
             return []
+        if self._chain is not None:
+            trees = self._propose_chain(requests)
+            if trees is not None:
+                return trees
         root_hidden, root_logits = self._catch_up(requests)
         ranked = rank(root_logits, self.tree.width, self._scores)
         builders: list[TreeBuilder | None] = []
         for i, r in enumerate(requests):
-            budget = self.tree.max_nodes if r.max_nodes is None else min(r.max_nodes, self.tree.max_nodes)
+            budget = self._budget(r)
             builders.append(self.tree.builder(Ranked(ranked.logp[i], ranked.ids[i]), budget)
                             if budget > 0 else None)
         self._grow(requests, builders, root_hidden)
         return [self._to_tree(b) for b in builders]
+
+    def _propose_chain(self, requests: list[DraftRequest]) -> list[DraftTree] | None:
+        """Chains through the ``ChainProgram``; None when a row has more pending pairs than a
+        step leaves (its first draft, or after plain steps): the general path catches it up."""
+        depth = max(self._budget(r) for r in requests)
+        if depth == 0:
+            return [tree_on(DraftTree.empty(), self.device) for _ in requests]   # pending pairs wait
+        feeds = [self._pending_pairs(r) for r in requests]
+        p = max(len(toks) for toks, _ in feeds)
+        if p > self._cap:
+            return None
+        dev, rows = self.device, [r.row for r in requests]
+        counts = [len(toks) for toks, _ in feeds]
+        tokens = torch.tensor([toks + [0] * (p - len(toks)) for toks, _ in feeds], dtype=torch.long, device=dev)
+        hidden = feeds[0][1][None] if len(feeds) == 1 else torch.stack(
+            [torch.cat([f, f.new_zeros(p - f.shape[0], f.shape[1])]) for _, f in feeds])
+        lengths = self.cache.lengths_of(rows)
+        kv_len = self.cache.kv_len(rows, max(p, max(counts) + depth - 1))
+        rows_t = torch.tensor(rows, device=dev)
+        counts_t = torch.tensor(counts, device=dev)
+        lengths_t = torch.tensor(lengths, device=dev)
+        state, tok = self._chain.catch_up(self.cache, rows_t, tokens, hidden, lengths_t, counts_t, kv_len)
+        self.cache.advance(rows, counts)
+        for r in requests:
+            self.pending[r.row] = []
+        drafted, position = [tok], (lengths_t + counts_t)[:, None]
+        for d in range(1, depth):
+            state, tok = self._chain.level(self.cache, rows_t, tok, state, position + (d - 1), kv_len)
+            drafted.append(tok)
+        chains = torch.cat(drafted, 1)
+        return [_chain_tree(chains[i], self._budget(r)) for i, r in enumerate(requests)]
+
+    def _budget(self, r: DraftRequest) -> int:
+        return self.tree.max_nodes if r.max_nodes is None else min(r.max_nodes, self.tree.max_nodes)
 
     # -- 1) catch up on the committed pairs --------------------------------------------------
     def _catch_up(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,6 +246,17 @@ class EagleDrafter:
         return DraftTree(toks, parents)
 
 
+def _is_chain(tree: TreeConfig) -> bool:
+    return isinstance(tree, StaticTreeConfig) and tree.width == 1
+
+
+def _chain_tree(tokens: torch.Tensor, n: int) -> DraftTree:
+    """The first ``n`` tokens of a drafted chain as a tree (no host read of the tokens)."""
+    if n == 0:
+        return tree_on(DraftTree.empty(), tokens.device)
+    return DraftTree(tokens[:n].contiguous(), torch.arange(-1, n - 1, device=tokens.device))
+
+
 def _own(features: TargetFeatures) -> TargetFeatures:
     """``features`` in tensors of their own: the engine hands over views of a whole step's batched
     features, which a row that drafts again only after many plain steps would otherwise keep alive."""
@@ -299,10 +352,18 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
     user = None
     if sets_shape(config):
         user = tree.choices if isinstance(tree, StaticTreeConfig) else ()
-    return head_factory(target, config, kind.value + cut, tree, user,
-                        lambda between: draft_costs(head, between=between), 8,
-                        lambda tree, max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len),
+    compiled = _compiled(forward)
+    return head_factory(target, config, kind.value + cut + ("/compiled" if compiled else ""), tree, user,
+                        lambda between: draft_costs(head, between=between, compile=compiled), 8,
+                        lambda tree, max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len,
+                                                                      compile=compiled),
                         hidden_layers=head.hidden_layers, forward=forward)
+
+
+def _compiled(forward) -> bool:
+    """Whether the target runs compiled: its head's chains are compiled beside it."""
+    from ..models.compiled import CompiledForward
+    return isinstance(forward, CompiledForward)
 
 
 # -- measured costs ------------------------------------------------------------------------------
@@ -321,22 +382,23 @@ def _restrict_vocab(head: EagleHead, config: TreeHeadConfig) -> str:
     return f"/vocab{head.lm_head.out_features if isinstance(head, Eagle3Head) else head.vocab_ids.numel()}"
 
 
-def draft_costs(head: EagleHead, context: int = 256, reps: int = 7, between=None):
+def draft_costs(head: EagleHead, context: int = 256, reps: int = 7, between=None, compile: bool = False):
     """Milliseconds of one step's drafting, batch 1, through the drafter's own protocol calls
     (accept one token, propose): ``fixed`` = a one-node tree (the catch-up alone, which also
     ranks depth 1) and ``[(w, level)]`` = the extra cost of one level over w expanded nodes.
-    ``between``: untimed work before each step (``draft_shape.time_ms``)."""
-    fixed = _time_steps(head, ((0,),), context, reps, between)
+    ``between``: untimed work before each step (``draft_shape.time_ms``). ``compile``: chains
+    through the compiled ``ChainProgram`` (w = 1 is a chain; wider levels take the tree path)."""
+    fixed = _time_steps(head, ((0,),), context, reps, between, compile)
     levels = []
     for w in (1, 2, 4, 8):
         choices = tuple((i,) for i in range(w)) + tuple((i, 0) for i in range(w))
-        levels.append((w, max(0.0, _time_steps(head, choices, context, reps, between) - fixed)))
+        levels.append((w, max(0.0, _time_steps(head, choices, context, reps, between, compile) - fixed)))
     return fixed, tuple(levels)
 
 
-def _time_steps(head: EagleHead, choices, context: int, reps: int, between=None) -> float:
+def _time_steps(head: EagleHead, choices, context: int, reps: int, between=None, compile: bool = False) -> float:
     tree = StaticTreeConfig.from_choices(choices)
-    drafter = EagleDrafter(head, tree, max_batch=1, max_len=context + reps + 8)
+    drafter = EagleDrafter(head, tree, max_batch=1, max_len=context + reps + 8, compile=compile)
     dev = drafter.device
     def feats(n: int) -> TargetFeatures:
         h = torch.zeros(n, head.cfg.target_hidden_size, dtype=head.embed_tokens.dtype, device=dev)

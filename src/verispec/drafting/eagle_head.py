@@ -262,12 +262,22 @@ class Eagle3Head(_HeadBase):
         """``tokens``/``positions`` [B,T] (target ids), ``hidden`` [B,T,h]; see ``attention_plan``."""
         rows, slots, used, mask, (cos, sin) = self._plan(tokens, positions, hidden.dtype, cache, rows, scratch,
                                                          local_mask)
+        state, out = self.layer(tokens, hidden, cos, sin, mask, cache, rows, slots, used)
+        logits = self.logits_of(self._select(out, logits_at)) if compute_logits else None
+        return HeadOutput(state, logits)
+
+    def layer(self, tokens, hidden, cos, sin, mask, cache, rows, slots, used, select=None):
+        """The decoder layer on planned inputs (``attention_plan``'s slots, used and mask): (state
+        to feed back [B,T,h], what ``logits_of`` reads [B,T,h])."""
         x = torch.cat([self.input_layernorm(self._embed(tokens)), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.attn(x, cos, sin, mask, cache, rows, slots, used)
+        h = hidden + self.attn(x, cos, sin, mask, cache, rows, slots, used, select)
         h = h + self.mlp(self.post_attention_layernorm(h))
         normed = self.norm(h)
-        logits = self.lm_head(self._select(normed, logits_at)) if compute_logits else None
-        return HeadOutput(normed if self.cfg.norm_output else h, logits)
+        return (normed if self.cfg.norm_output else h), normed
+
+    def logits_of(self, x: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of ``layer``'s second output."""
+        return self.lm_head(x)
 
 
 class Eagle1Head(_HeadBase):
@@ -327,11 +337,20 @@ class Eagle1Head(_HeadBase):
         """Same contract as ``Eagle3Head.forward``; ``out`` is the predicted next target feature."""
         rows, slots, used, mask, (cos, sin) = self._plan(tokens, positions, hidden.dtype, cache, rows, scratch,
                                                          local_mask)
-        x = self.fc(torch.cat([self._embed(tokens), hidden], dim=-1))
-        x = x + self.attn(x, cos, sin, mask, cache, rows, slots, used)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        logits = self._read_tokens(self._select(x, logits_at)) if compute_logits else None
+        x, _ = self.layer(tokens, hidden, cos, sin, mask, cache, rows, slots, used)
+        logits = self.logits_of(self._select(x, logits_at)) if compute_logits else None
         return HeadOutput(x, logits)
+
+    def layer(self, tokens, hidden, cos, sin, mask, cache, rows, slots, used, select=None):
+        """The layer on planned inputs: (predicted next feature, the same for ``logits_of``)."""
+        x = self.fc(torch.cat([self._embed(tokens), hidden], dim=-1))
+        x = x + self.attn(x, cos, sin, mask, cache, rows, slots, used, select)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, x
+
+    def logits_of(self, x: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of a predicted feature (through the target's LM head or its cut)."""
+        return self._read_tokens(x)
 
 
 EagleHead = Eagle1Head | Eagle3Head
