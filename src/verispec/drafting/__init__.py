@@ -16,8 +16,9 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from .spec_config import (CustomSpecConfig, DraftModelConfig, Eagle3Config, EagleConfig, MedusaSpecConfig,
-                           NgramConfig, SpecConfigError, SpeculativeConfig, SuffixConfig, register_config)
+from .spec_config import (CustomSpecConfig, DraftModelConfig, Eagle3Config, EagleConfig, HybridConfig,
+                           MedusaSpecConfig, NgramConfig, SpecConfigError, SpeculativeConfig, SuffixConfig,
+                           register_config)
 from ..core.features import TargetFeatures
 from .base import DraftRequest, Drafter, StatelessDrafter
 from .draft_shape import ShapedFactory
@@ -181,3 +182,10 @@ def _eagle3(config: Eagle3Config, target, forward=None) -> DrafterFactory:
 def _medusa(config: MedusaSpecConfig, target, forward=None) -> DrafterFactory:
     from .medusa import build_medusa_factory
     return build_medusa_factory(config, target, forward=forward)
+
+
+@register("hybrid", config=HybridConfig)
+def _hybrid(config: HybridConfig, target, forward=None) -> DrafterFactory:
+    """EAGLE-3 head and suffix trees, one source per request and step (``hybrid``)."""
+    from .hybrid import build_hybrid_factory
+    return build_hybrid_factory(config, target, target_device(target), forward=forward)

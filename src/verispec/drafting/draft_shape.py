@@ -158,8 +158,10 @@ class ShapedFactory:
     gave a shape or no profile was found) and, with ``gate_options`` (``gate_options``), makes
     each engine a ``draft_gate.DraftGate`` over them (``make_gate``: adaptive drafting)."""
 
-    def __init__(self, make: Callable, shape: "ShapeChoice | None", gate_options: tuple = ()):
+    def __init__(self, make: Callable, shape: "ShapeChoice | None", gate_options: tuple = (),
+                 costs: "StepCosts | None" = None):
         self.make, self.shape, self.gate_options = make, shape, tuple(gate_options)
+        self.costs = costs            # the measured step costs the shape was chosen from (None: none measured)
 
     def __call__(self, max_batch: int, max_len: int):
         return self.make(max_batch, max_len)
@@ -466,8 +468,8 @@ def gate_options(choices, profile: AcceptanceProfile, costs: StepCosts) -> tuple
 
 def plan_shape(target, head_folder: str | Path, kind: str, measure_draft, max_depth: int,
                user_choices, adaptive: bool | None, hidden_layers: tuple[int, ...] = (),
-               forward=None) -> tuple[ShapeChoice | None, tuple]:
-    """``(chosen, gate options)`` for a head factory. The head's profile is its folder's
+               forward=None) -> tuple[ShapeChoice | None, tuple, StepCosts | None]:
+    """``(chosen, gate options, the costs measured or None)`` for a head factory. The head's profile is its folder's
     ``acceptance.json``, read only when needed; ``measure_draft`` and ``max_depth`` as in
     ``ShapeRequest``. ``user_choices``: None when the user set no shape, the static tree's
     choices when they gave one, ``()`` for a dynamic tree. ``adaptive``: the config's
@@ -487,12 +489,12 @@ def plan_shape(target, head_folder: str | Path, kind: str, measure_draft, max_de
         raise SpecConfigError("'adaptive_drafting' applies to static trees and chains ('tree' or "
                               "'num_speculative_tokens'), not to a dynamic tree")
     if req is None or (user_choices is not None and not adaptive):
-        return None, ()
+        return None, (), None
     costs = step_costs(target, head_folder, kind, req, hidden_layers, forward)
     if user_choices is None:
         shape = choose_shape(target, head_folder, kind, req, hidden_layers, forward, costs)
-        return shape, (() if adaptive is False else gate_options(shape.choices, req.profile, costs))
-    return None, gate_options(user_choices, req.profile, costs)
+        return shape, (() if adaptive is False else gate_options(shape.choices, req.profile, costs)), costs
+    return None, gate_options(user_choices, req.profile, costs), costs
 
 
 def load_head(config, target, load):
@@ -513,8 +515,8 @@ def head_factory(target, config, kind: str, tree, user_choices, measure_draft, m
     """The factory of a head's drafters: ``plan_shape``'s chosen tree (as a static tree) where it
     chose one, else ``tree``; ``make(tree, max_batch, max_len)`` makes one engine's drafter."""
     from .dynamic_tree import StaticTreeConfig
-    shape, gate = plan_shape(target, config.model, kind, measure_draft, max_depth, user_choices,
-                             config.adaptive_drafting, hidden_layers=hidden_layers, forward=forward)
+    shape, gate, costs = plan_shape(target, config.model, kind, measure_draft, max_depth, user_choices,
+                                    config.adaptive_drafting, hidden_layers=hidden_layers, forward=forward)
     if shape is not None:
         tree = StaticTreeConfig(shape.choices)
-    return ShapedFactory(lambda max_batch, max_len: make(tree, max_batch, max_len), shape, gate)
+    return ShapedFactory(lambda max_batch, max_len: make(tree, max_batch, max_len), shape, gate, costs)

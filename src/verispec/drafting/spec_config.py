@@ -26,6 +26,7 @@ class SpecMethod(str, enum.Enum):
     EAGLE3 = "eagle3"
     MEDUSA = "medusa"
     SUFFIX = "suffix"
+    HYBRID = "hybrid"
 
 
 class SpecConfigError(ValueError):
@@ -264,13 +265,46 @@ class SuffixConfig(SpeculativeConfig):
 
 
 @dataclass(frozen=True)
+class HybridConfig(SpeculativeConfig):
+    """An EAGLE-3 head and suffix decoding, one source per request and step (``drafting.hybrid``).
+    The head's tree is the shape chosen from its profile and this machine's measured costs;
+    ``num_speculative_tokens`` and the ``suffix_*`` keys are the suffix half's, as for ``suffix``."""
+    method: ClassVar[str] = SpecMethod.HYBRID.value
+    model: str | None = None                 # EAGLE-3 head folder (default: the shipped head)
+    draft_vocab: str | None = None           # the head's runtime vocabulary cut, as for eagle3
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def check(self) -> None:
+        super().check()
+        self.suffix_config()
+
+    def suffix_config(self) -> SuffixConfig:
+        """The suffix half (checked as method 'suffix' checks it)."""
+        cfg = SuffixConfig(num_speculative_tokens=self.num_speculative_tokens,
+                           suffix_decoding_max_tree_depth=self.suffix_decoding_max_tree_depth,
+                           suffix_decoding_max_cached_requests=self.suffix_decoding_max_cached_requests,
+                           suffix_decoding_max_spec_factor=self.suffix_decoding_max_spec_factor,
+                           suffix_decoding_min_token_prob=self.suffix_decoding_min_token_prob)
+        cfg.check()
+        return cfg
+
+    def head_config(self) -> Eagle3Config:
+        """The head half: an ``eagle3`` config, its shape chosen from costs, adaptive drafting off."""
+        return Eagle3Config(model=self.model, draft_vocab=self.draft_vocab, adaptive_drafting=False)
+
+
+@dataclass(frozen=True)
 class CustomSpecConfig(SpeculativeConfig):
     """Default config of a method registered with ``verispec.drafting.register``."""
     model: str | None = None
 
 
 METHOD_CONFIGS: dict[str, type[SpeculativeConfig]] = {
-    c.method: c for c in (NgramConfig, DraftModelConfig, EagleConfig, Eagle3Config, MedusaSpecConfig, SuffixConfig)}
+    c.method: c for c in (NgramConfig, DraftModelConfig, EagleConfig, Eagle3Config, MedusaSpecConfig, SuffixConfig,
+                          HybridConfig)}
 
 
 def register_config(name: str, config_cls: type[SpeculativeConfig]) -> None:
