@@ -45,8 +45,8 @@ from ..drafting.shipped import model_stem, shipped_head
 from ..drafting.spec_config import SpecConfigError
 from .records import PEER_KINDS, BenchError, BenchResult, FidelityRecord, GenResult, MethodSpec, RunRecord, stats_dict
 
-METHOD_NAMES = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa", "hf", "hf-pld", "hf-assisted",
-                "llamacpp", "llamacpp-pld", "llamacpp-draft")
+METHOD_NAMES = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix", "hybrid", "hf", "hf-pld",
+                "hf-assisted", "llamacpp", "llamacpp-pld", "llamacpp-draft")
 DEFAULT_METHODS = ("vanilla", "ngram", "draft_model", "hf", "hf-pld")
 #: EAGLE-2 ablation (paper, Table 5): ranking draft nodes by path value vs. the draft's own
 #: confidence, with and without reranking the expanded tree.
@@ -203,8 +203,10 @@ def default_method_config(name: str, model_name: str, num_layers: int, overrides
             return {"method": "draft_model", "model": QWEN_PAIR[1], "num_speculative_tokens": 4}, None
         return {"method": "draft_model", "model": "self", "self_draft_layers": max(1, num_layers // 4),
                 "num_speculative_tokens": 4}, None
-    if name in ("eagle", "eagle3", "medusa"):
-        path = _checkpoint(model_name, name)
+    if name == "suffix":
+        return {"method": "suffix"}, None
+    if name in ("eagle", "eagle3", "medusa", "hybrid"):
+        path = _checkpoint(model_name, "eagle3" if name == "hybrid" else name)
         if path is None:
             return None, f"no checkpoint: checkpoints/{model_stem(model_name)}-{name} does not exist"
         return {"method": name, "model": str(path)}, None
