@@ -146,6 +146,10 @@ SUITES: tuple[Suite, ...] = (
     script("draft-level-cost", "draft_level_cost.py", "", "draft_level_cost.md",
            "one draft step of each shipped head by how its matmuls are packed (fp16, int8, int4)",
            "SmolLM2 int4 target, shipped heads, 2 threads, batch 1, 256-token context", group="heads"),
+    script("loss-ablation", "loss_ablation.py", "--data runs/smollm2-int4/regen.jsonl", "loss_ablation.md",
+           "which EAGLE-3 training loss raises on-policy acceptance most for equal steps",
+           "SmolLM2 int4 target, its own answers to ShareGPT prompts, warm start from the shipped head, "
+           "40 steps per loss", group="heads"),
     script("head-vocab", "head_vocab.py", f"--data {REGEN}", "head_vocab.md",
            "a proposal's cost and held-out acceptance with a cut draft vocabulary",
            "shipped heads, fp16 target, 2 threads", needs=("regen",), group="heads"),
