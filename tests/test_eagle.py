@@ -222,18 +222,9 @@ HEAD_VARIANTS = [(HeadKind.EAGLE3, {}), (HeadKind.EAGLE3, {"fc_norm": True, "nor
 def test_pairs_and_tree_match_plain_forwards(kind, kw, one_thread):
     """Two rows, ragged accepts: every root distribution equals a full forward over the pairs,
     and every tree node's children are the top ranks of a plain forward along its path."""
-    model = tiny_target()
-    vocab_ids = torch.tensor([0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15]) if kind is HeadKind.EAGLE3 else None
-    head = random_head(model, kind, vocab_ids, std=0.3, **kw)
+    head, seqs, full, fused, g = _two_rows(kind, kw, 40)
     tree = StaticTreeConfig.from_choices([[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0], [0, 0, 1]])
     drafter = EagleDrafter(head, tree, max_batch=3, max_len=64)
-    g = torch.Generator().manual_seed(0)
-    seqs = {1: torch.randint(0, 16, (40,), generator=g).tolist(), 2: torch.randint(0, 16, (40,), generator=g).tolist()}
-    full = {}
-    for row, seq in seqs.items():
-        o = model(torch.tensor([seq]), torch.arange(40)[None], hidden_layers=head.hidden_layers)
-        full[row] = TargetFeatures({i: o.hidden[i][0] for i in head.hidden_layers}, o.last_hidden[0])
-    fused = {row: head.fuse(f) for row, f in full.items()}
     m = {1: 5, 2: 9}
     for row in seqs:
         drafter.start(row, seqs[row][:m[row]], _slice(full[row], 0, m[row]))
@@ -255,9 +246,7 @@ def test_chains_match_plain_forwards(kind, kw, compile, one_thread):
     """The chain program (``eagle_chain``): two rows, ragged accepts, budgets that cut a chain
     short or skip a step (pending pairs wait, then the general path catches up): every chain
     is the argmax path of plain forwards, and the program drafted every chain after the first."""
-    model = tiny_target()
-    vocab_ids = torch.tensor([0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15]) if kind is HeadKind.EAGLE3 else None
-    head = random_head(model, kind, vocab_ids, std=0.3, **kw)
+    head, seqs, full, fused, g = _two_rows(kind, kw, 48)
     tree = StaticTreeConfig.chain(3)
     drafter = EagleDrafter(head, tree, max_batch=3, max_len=64, compile=compile)
     calls = {"chain": 0}
@@ -267,13 +256,6 @@ def test_chains_match_plain_forwards(kind, kw, compile, one_thread):
         calls["chain"] += out is not None
         return out
     drafter._propose_chain = counted
-    g = torch.Generator().manual_seed(0)
-    seqs = {1: torch.randint(0, 16, (48,), generator=g).tolist(), 2: torch.randint(0, 16, (48,), generator=g).tolist()}
-    full = {}
-    for row, seq in seqs.items():
-        o = model(torch.tensor([seq]), torch.arange(48)[None], hidden_layers=head.hidden_layers)
-        full[row] = TargetFeatures({i: o.hidden[i][0] for i in head.hidden_layers}, o.last_hidden[0])
-    fused = {row: head.fuse(f) for row, f in full.items()}
     m = {1: 5, 2: 9}
     for row in seqs:
         drafter.start(row, seqs[row][:m[row]], _slice(full[row], 0, m[row]))
@@ -293,6 +275,21 @@ def test_chains_match_plain_forwards(kind, kw, compile, one_thread):
             m[row] += a + 1
     # all but step 0 (the prompt) and step 5 (pending pairs of two steps, after the skipped one)
     assert calls["chain"] == 5
+
+
+def _two_rows(kind, kw, n: int):
+    """A random head (std 0.3) on the tiny target and two random sequences of ``n`` tokens (rows
+    1 and 2) with their target features and fused head inputs; the generator that drew them."""
+    model = tiny_target()
+    vocab_ids = torch.tensor([0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15]) if kind is HeadKind.EAGLE3 else None
+    head = random_head(model, kind, vocab_ids, std=0.3, **kw)
+    g = torch.Generator().manual_seed(0)
+    seqs = {1: torch.randint(0, 16, (n,), generator=g).tolist(), 2: torch.randint(0, 16, (n,), generator=g).tolist()}
+    full = {}
+    for row, seq in seqs.items():
+        o = model(torch.tensor([seq]), torch.arange(n)[None], hidden_layers=head.hidden_layers)
+        full[row] = TargetFeatures({i: o.hidden[i][0] for i in head.hidden_layers}, o.last_hidden[0])
+    return head, seqs, full, {row: head.fuse(f) for row, f in full.items()}, g
 
 
 def _slice(f: TargetFeatures, a: int, b: int) -> TargetFeatures:
