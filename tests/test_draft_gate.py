@@ -230,3 +230,30 @@ def test_sampled_requests_are_not_timed_and_stay_reproducible(packed_target, cha
     seen.clear()
     spec.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
     assert seen and all(ids[0] is not None for ids in seen)
+
+
+def test_per_depth_profiles_and_learning():
+    """Options carry the hit probability of each depth (``hit_by_depth``: V_d / V_{d-1}); a request
+    whose first draft token is always accepted and its second never learns exactly that, and
+    drafts one node, where one scale for the whole tree would keep drafting three."""
+    from verispec.drafting.draft_shape import hit_by_depth
+    p = AcceptanceProfile(((0.5, 0.2), (0.5,), (0.5,)))
+    assert hit_by_depth([[0], [1], [0, 0]], p) == pytest.approx((0.7, 0.25 / 0.7))
+    costs = StepCosts(verify=((1, 10.0), (2, 10.5), (4, 11.5)), draft_fixed=0.5, level=((1, 0.3),))
+    opts = gate_options([[0], [0, 0], [0, 0, 0]], p, costs)
+    assert [o.hit_by_depth for o in opts] == [(0.5,), (0.5, 0.5), (0.5, 0.5, 0.5)]
+    for o in opts:
+        assert o.accepted((1.0,) * 3) == pytest.approx(o.expected_accepted)
+        assert o.accepted(2.0) == pytest.approx(2 * o.expected_accepted)
+    gate = DraftGate(opts)
+    assert gate.by_depth and gate.best(gate.calibration(7)) == 3
+    for _ in range(24):                               # depth 1 always accepted, depth 2 never
+        b = gate.budget(7)
+        gate.observe(7, b, 1)
+    c = gate.depth_factors(7)
+    assert c[0] > 1.5 and c[1] < 0.5, c               # 1 of 0.5 modelled at depth 1; 0 of 0.5 at depth 2
+    assert gate.best(c) == 1 and gate.budget(7) == 1
+    legacy = DraftGate(tuple(GateOption(o.nodes, o.expected_accepted, o.cost_ratio) for o in opts))
+    for _ in range(24):
+        legacy.observe(7, legacy.budget(7), 1)
+    assert not legacy.by_depth and legacy.budget(7) == 3      # one scale: 1 accepted > 0.875 modelled

@@ -14,12 +14,18 @@ cuts with a request's node budget; a cut EAGLE tree also skips the levels it no 
 each with the modelled accepted tokens ``E_m`` (the head's acceptance profile) and cost ratio
 ``R_m = T_m / T_0`` (this machine's measured step costs): ``draft_shape.gate_options``.
 
-Per request, ``DraftGate`` scales the profile by how the request's recent drafted steps did:
-``c = (sum of accepted + n0 E) / (sum of modelled E_m of the budgets used + n0 E)`` over its last
-``window`` drafted steps, shrunk towards 1 with the weight of ``n0 = prior_steps`` steps like
-them (``E``: their mean modelled E_m): one step's count is noisy (0 or 1 most of the time), and a
-few unlucky steps must not stop a request that gains. Each step it drafts the budget ``m`` with the best
-``(1 + c E_m) / R_m``. When that is ``m = 0`` (plain decoding beats every prefix) the request
+Per request, ``DraftGate`` learns acceptance depth by depth from its real steps. Each option
+carries the modelled probability ``h_d`` that depth d's token is accepted once depth d-1's was
+(``draft_shape.hit_by_depth``); over the request's last ``window`` drafted steps, the gate counts
+for each depth the steps that reached it (every earlier depth accepted), the tokens accepted
+there and the hits modelled there, and scales ``h_d`` by ``c_d = (accepted + n0 h_d) / (modelled
++ n0 h_d)``, shrunk towards 1 with the weight of ``n0 = prior_steps`` steps: one step's outcome is
+noisy, and a few unlucky steps must not stop a request that gains. ``E_m`` is then recomputed
+from the scaled ``h_d`` (each capped at 1), so a request whose first draft token is accepted but
+not its second drafts one node, not the whole tree. Options without per-depth probabilities
+(hand-made ones) are scaled as a whole: ``c = (sum of accepted + n0 E) / (sum of modelled E_m +
+n0 E)``. Each step it drafts the budget ``m`` with the best
+``(1 + E_m(c)) / R_m``. When that is ``m = 0`` (plain decoding beats every prefix) the request
 stops drafting for ``min_wait`` steps, then drafts a trial of ``trial`` steps (the budget its
 history favours, at least the first node): if the trial's own ``c`` makes some prefix pay, it
 drafts again with the trial as its window, otherwise it waits twice as long (at most
@@ -73,10 +79,25 @@ class GateConfig:
 @dataclass(frozen=True)
 class GateOption:
     """Drafting the tree's first ``nodes`` nodes: modelled accepted tokens per step and step time
-    over a plain step's."""
+    over a plain step's. ``hit_by_depth`` (optional): the modelled probability that depth d's
+    token is accepted given depth d-1's was, for d = 1..the prefix's depth (then
+    ``expected_accepted`` = sum over L of the product of the first L); with it the gate learns
+    each request's acceptance depth by depth instead of one scale for the whole tree."""
     nodes: int
     expected_accepted: float
     cost_ratio: float
+    hit_by_depth: tuple[float, ...] = ()
+
+    def accepted(self, factors: "Sequence[float] | float") -> float:
+        """Modelled accepted tokens with the profile scaled by ``factors``: per depth (each hit
+        probability times its factor, at most 1) or, given one number, as a whole."""
+        if isinstance(factors, (int, float)):
+            return factors * self.expected_accepted
+        total, reach = 0.0, 1.0
+        for d, h in enumerate(self.hit_by_depth):
+            reach *= min(1.0, h * (factors[d] if d < len(factors) else 1.0))
+            total += reach
+        return total
 
 
 class Mode(enum.Enum):
@@ -87,7 +108,7 @@ class Mode(enum.Enum):
 
 @dataclass
 class _SeqState:
-    steps: deque               # (accepted, modelled E of the budget drafted) of the latest drafted steps
+    steps: deque               # (accepted, budget drafted) of the latest drafted steps
     trial_steps: list = field(default_factory=list)   # TRIAL: the same for the trial's steps
     mode: Mode = Mode.DRAFT
     left: int = 0              # WAIT: plain steps left
@@ -151,25 +172,63 @@ class DraftGate:
             return statistics.median(d) / plain if plain is not None and len(d) >= n else None
         return ratio
 
-    def best(self, scale: float, seq_id: int | None = None) -> int:
+    def best(self, scale: "float | Sequence[float]", seq_id: int | None = None) -> int:
         """The budget (0: plain) with the most tokens per time when the profile is scaled by
-        ``scale``, with request ``seq_id``'s measured costs where it has them."""
+        ``scale`` (one number, or one factor per depth: ``GateOption.accepted``), with request
+        ``seq_id``'s measured costs where it has them."""
         best, value, measured = 0, 1.0, self._measured(seq_id)
         for o in self.options:
             r = measured(o.nodes)
-            v = (1.0 + scale * o.expected_accepted) / (o.cost_ratio if r is None else r)
+            v = (1.0 + o.accepted(scale)) / (o.cost_ratio if r is None else r)
             if v > value + 1e-12:
                 best, value = o.nodes, v
         return best
 
+    @property
+    def by_depth(self) -> bool:
+        """Whether every option carries its per-depth profile (then requests are calibrated by depth)."""
+        return all(o.hit_by_depth for o in self.options)
+
+    def calibration(self, seq_id: int, steps=None) -> "float | tuple[float, ...]":
+        """How the request's recent drafted steps (or ``steps``) did against the profile:
+        ``depth_factors`` when the options carry per-depth profiles, else ``scale``."""
+        if not self.by_depth:
+            return self.scale(seq_id) if steps is None else self._scale_of(steps)
+        return self.depth_factors(seq_id, steps)
+
+    def depth_factors(self, seq_id: int, steps=None, prior_steps: float | None = None) -> tuple[float, ...]:
+        """Per depth d: (tokens accepted at depth d + n0 h_d) / (modelled hits at depth d + n0 h_d)
+        over the request's latest drafted steps (or ``steps``: (accepted, budget) pairs) that
+        reached depth d (every earlier depth accepted), h_d the whole tree's modelled hit
+        probability there and n0 = ``prior_steps`` (default: the config's): 1 without steps, lower
+        where the request's drafts are rejected earlier than modelled."""
+        if steps is None:
+            st = self._seqs.get(seq_id)
+            steps = st.steps if st is not None else ()
+        prior = self.options[-1].hit_by_depth
+        hits, expected = [0.0] * len(prior), [0.0] * len(prior)
+        for accepted, nodes in steps:
+            for d, h in enumerate(self._by_nodes[nodes].hit_by_depth):
+                if accepted < d:                       # depth d+1 (0-based d) never reached
+                    break
+                expected[d] += h
+                hits[d] += accepted > d
+        n0 = self.config.prior_steps if prior_steps is None else prior_steps
+        return tuple((hits[d] + n0 * h) / (expected[d] + n0 * h) if expected[d] + n0 * h > 0 else 1.0
+                     for d, h in enumerate(prior))
+
     def scale(self, seq_id: int) -> float:
-        """How the request's recent drafted steps did against the profile (1: as modelled)."""
+        """How the request's recent drafted steps did against the profile as a whole (1: as
+        modelled)."""
         st = self._seqs.get(seq_id)
-        steps = st.steps if st is not None else ()
-        typical = sum(e for _, e in steps) / len(steps) if steps else self.options[-1].expected_accepted
+        return self._scale_of(st.steps if st is not None else ())
+
+    def _scale_of(self, steps) -> float:
+        modelled_of = [self._by_nodes[b].expected_accepted for _, b in steps]
+        typical = sum(modelled_of) / len(modelled_of) if modelled_of else self.options[-1].expected_accepted
         n0 = self.config.prior_steps * typical
         got = sum(a for a, _ in steps) + n0
-        modelled = sum(e for _, e in steps) + n0
+        modelled = sum(modelled_of) + n0
         return got / modelled if modelled > 0 else 1.0
 
     # -- decisions -----------------------------------------------------------------------------------
@@ -187,9 +246,9 @@ class DraftGate:
             st.mode, st.trial_steps = Mode.TRIAL, []
             self.stats.trials += 1
         if st.mode is Mode.TRIAL:                     # the budget the request's history favours
-            st.budget = self.best(self.scale(seq_id), seq_id) or self.options[0].nodes
+            st.budget = self.best(self.calibration(seq_id), seq_id) or self.options[0].nodes
         else:
-            st.budget = self.best(self.scale(seq_id), seq_id)
+            st.budget = self.best(self.calibration(seq_id), seq_id)
             if st.budget == 0:                        # plain beats every prefix: stop drafting
                 self._wait(st, self.config.min_wait)
                 return self.budget(seq_id)
@@ -203,20 +262,27 @@ class DraftGate:
         st = self._seqs.get(seq_id)
         if st is None or drafted == 0 or st.budget == 0:
             return
-        step = (accepted, (self._by_nodes.get(st.budget) or self.options[-1]).expected_accepted)
+        step = (accepted, st.budget if st.budget in self._by_nodes else self.options[-1].nodes)
         if st.mode is Mode.DRAFT:
             st.steps.append(step)
             return
         st.trial_steps.append(step)
         if len(st.trial_steps) < self.config.trial:
             return
-        got, modelled = sum(a for a, _ in st.trial_steps), sum(e for _, e in st.trial_steps)
-        if self.best(got / modelled if modelled > 0 else 1.0, seq_id) > 0:
+        if self.best(self._trial_calibration(st.trial_steps), seq_id) > 0:
             st.mode = Mode.DRAFT                      # the trial's steps start a new window
             st.steps = deque(st.trial_steps, maxlen=self.config.window)
         else:
             st.steps.extend(st.trial_steps)
             self._wait(st, min(2 * st.wait, self.config.max_wait))
+
+    def _trial_calibration(self, steps) -> "float | tuple[float, ...]":
+        """A trial's own calibration, without the prior: what its steps alone say."""
+        if self.by_depth:
+            return self.depth_factors(-1, steps, prior_steps=0.0)
+        got = sum(a for a, _ in steps)
+        modelled = sum(self._by_nodes[b].expected_accepted for _, b in steps)
+        return got / modelled if modelled > 0 else 1.0
 
     @staticmethod
     def _wait(st: _SeqState, steps: int) -> None:

@@ -462,8 +462,22 @@ def gate_options(choices, profile: AcceptanceProfile, costs: StepCosts) -> tuple
     out = []
     for m in range(1, len(ordered) + 1):
         shape = modelled_shape(ordered[:m], profile, costs)
-        out.append(GateOption(m, shape.expected_tokens - 1.0, shape.step_ms / shape.vanilla_ms))
+        out.append(GateOption(m, shape.expected_tokens - 1.0, shape.step_ms / shape.vanilla_ms,
+                              hit_by_depth(ordered[:m], profile)))
     return tuple(out)
+
+
+def hit_by_depth(choices, profile: AcceptanceProfile) -> tuple[float, ...]:
+    """Per depth d of ``choices``: the modelled probability that depth d's token is accepted given
+    depth d-1's was, V_d / V_{d-1} (V_d: the summed values of the paths of length d, V_0 = 1)."""
+    depth = max(len(c) for c in choices)
+    v = [1.0] + [0.0] * depth
+    for path in choices:
+        value = 1.0
+        for d, rank in enumerate(path, start=1):
+            value *= profile.p(d, rank)
+        v[len(path)] += value
+    return tuple(v[d] / v[d - 1] if v[d - 1] > 0 else 0.0 for d in range(1, depth + 1))
 
 
 def plan_shape(target, head_folder: str | Path, kind: str, measure_draft, max_depth: int,
