@@ -67,7 +67,7 @@ def test_config_rejects_other_methods_keys():
     with pytest.raises(SpecConfigError, match="'prompt_lookup_max' applies to method 'ngram'") as e:
         SpeculativeConfig.from_dict({"method": "suffix", "prompt_lookup_max": 4})
     assert "'suffix_decoding_min_token_prob'" in str(e.value)
-    with pytest.raises(SpecConfigError, match="applies to method 'suffix'"):
+    with pytest.raises(SpecConfigError, match="applies to method 'hybrid' / 'suffix'"):
         SpeculativeConfig.from_dict({"method": "ngram", "suffix_decoding_max_tree_depth": 8})
 
 
