@@ -98,7 +98,7 @@ def costs(target, reps: int, rounds: int) -> dict:
                "eagle3_fixed_ms": [], "eagle3_level_ms": [], "medusa_ms": []} for k, (e3, md) in made.items()}
     for _ in range(rounds):
         for k, (e3, md) in made.items():
-            fixed, levels = draft_costs(e3, reps=reps)
+            fixed, levels, _ = draft_costs(e3, reps=reps)
             out[k]["eagle3_fixed_ms"].append(fixed)
             out[k]["eagle3_level_ms"].append(dict(levels))
             out[k]["medusa_ms"].append(draft_cost(md, reps=reps))

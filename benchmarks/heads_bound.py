@@ -84,7 +84,7 @@ def measure(reps: int) -> dict:
         h.pack_("fp16", target.model.lm_head)
     verify = measure_verify(target.model, hidden_layers=head.hidden_layers, reps=reps, forward=forward)
     between = target_step(target.model, forward)
-    fixed, levels = draft_costs(head, reps=reps, between=between)
+    fixed, levels, _ = draft_costs(head, reps=reps, between=between)
     e3 = StepCosts(verify, fixed, levels)
     md = StepCosts(verify, draft_cost(medusa, reps=reps, between=between))
     out = {"verify_ms": verify, "eagle3": {"draft_fixed_ms": fixed, "level_ms": levels,

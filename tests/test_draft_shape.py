@@ -167,3 +167,17 @@ def test_verify_costs_are_measured_on_the_forward_the_engine_runs():
     target = type("T", (), {"model": model, "name": "tiny", "weights": "dense"})()
     assert ds.cost_key(target, ROOT / "smollm2-135m-eagle3", "eagle3", compiled=True) != \
         ds.cost_key(target, ROOT / "smollm2-135m-eagle3", "eagle3")
+
+
+def test_chains_are_costed_at_the_chain_programs_costs():
+    """A head with a chain program (``StepCosts.chain``) drafts chains through it and trees on the
+    tree path: each shape is costed on the path it runs, and a tree's prefixes stay on its path."""
+    from verispec.drafting.draft_shape import gate_options, tree_cost
+    costs = StepCosts(verify=((1, 10.0), (4, 13.0)), draft_fixed=2.0, level=((1, 1.0), (2, 1.5)), chain=(0.5, 0.2))
+    assert tree_cost(((0,), (0, 0), (0, 0, 0)), costs) == pytest.approx(0.5 + 2 * 0.2 + 13.0)
+    assert tree_cost(((0,), (1,), (0, 0)), costs) == pytest.approx(2.0 + 1.0 + 13.0)
+    p = AcceptanceProfile(((0.5, 0.2), (0.4,)))
+    first = gate_options([[0], [1], [0, 0]], p, costs)[0]            # [[0]] cut from a tree: tree path
+    assert first.cost_ratio == pytest.approx((2.0 + costs.verify_ms(2)) / 10.0)
+    chain = gate_options([[0], [0, 0]], p, costs)[0]
+    assert chain.cost_ratio == pytest.approx((0.5 + costs.verify_ms(2)) / 10.0)

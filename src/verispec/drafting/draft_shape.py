@@ -107,11 +107,14 @@ class AcceptanceProfile:
 @dataclass(frozen=True)
 class StepCosts:
     """Measured milliseconds (batch 1): ``verify`` [(T, ms)], ``draft_fixed``, ``level`` [(w, ms)]
-    (empty for heads that draft every depth in one forward)."""
+    (empty for heads that draft every depth in one forward) of a tree, and for heads that draft
+    chains through a program of their own (``eagle_chain``) ``chain`` = (fixed, each further
+    level), or None."""
     verify: tuple[tuple[int, float], ...]
     draft_fixed: float
     level: tuple[tuple[int, float], ...] = ()
     note: str = ""
+    chain: tuple[float, float] | None = None
 
     def verify_ms(self, t: int) -> float:
         return _interpolate(self.verify, t)
@@ -234,7 +237,11 @@ def best_paths(profile: AcceptanceProfile, max_nodes: int, max_depth: int, max_w
 
 
 def tree_cost(choices, costs: StepCosts) -> float:
-    """Modelled milliseconds of one step drafting and verifying ``choices``."""
+    """Modelled milliseconds of one step drafting and verifying ``choices`` (a chain at the chain
+    program's costs where the head has them)."""
+    if costs.chain is not None and all(c[-1] == 0 for c in choices):
+        depth = max(len(c) for c in choices)
+        return costs.chain[0] + (depth - 1) * costs.chain[1] + costs.verify_ms(1 + len(choices))
     expanded: dict[int, int] = {}
     for parent in {c[:-1] for c in choices if len(c) > 1}:
         expanded[len(parent)] = expanded.get(len(parent), 0) + 1
@@ -345,8 +352,8 @@ def time_round_robin(calls: dict, reps: int = 7, warmup: int = 1) -> dict:
 
 
 # bumped when what is measured changes (2: draft steps timed after a target forward, cold caches;
-# 3: heads beside int4 / int8 targets packed int4 / int8)
-COST_VERSION = 3
+# 3: heads beside int4 / int8 targets packed int4 / int8; 4: trees on the tree path, chains apart)
+COST_VERSION = 4
 
 
 def cost_key(target, head_folder: str | Path, kind: str, compiled: bool = False) -> str:
@@ -389,8 +396,9 @@ def cached_costs(key: str, measure: Callable[[], StepCosts]) -> StepCosts:
         table = {}
     if key in table:
         d = table[key]
+        chain = d.get("chain")
         return StepCosts(tuple(map(tuple, d["verify"])), d["draft_fixed"], tuple(map(tuple, d["level"])),
-                         d.get("note", ""))
+                         d.get("note", ""), tuple(chain) if chain else None)
     costs = measure()
     table[key] = {**asdict(costs), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
@@ -407,8 +415,9 @@ def cached_costs(key: str, measure: Callable[[], StepCosts]) -> StepCosts:
 class ShapeRequest:
     """What a head factory asks: its profile, how to measure its drafting, its limits."""
     profile: AcceptanceProfile
-    # measure_draft(between) -> (fixed ms, ((w, level ms), ...)); ``between`` runs a target
-    # forward before each timed draft step (see ``time_ms``)
+    # measure_draft(between) -> (fixed ms, ((w, level ms), ...)) or the same with a third item,
+    # the chain program's (fixed ms, level ms); ``between`` runs a target forward before each
+    # timed draft step (see ``time_ms``)
     measure_draft: Callable[[Callable[[], object]], tuple[float, tuple[tuple[int, float], ...]]]
     max_depth: int
     max_nodes: int = 32
@@ -423,10 +432,11 @@ def step_costs(target, head_folder: str | Path, kind: str, req: ShapeRequest,
     a compiled forward's fixed cost per call is lower, which makes drafting relatively dearer."""
     def measure() -> StepCosts:
         verify = measure_verify(target.model, hidden_layers=hidden_layers, forward=forward)
-        fixed, levels = req.measure_draft(target_step(target.model, forward))
+        fixed, levels, *chain = req.measure_draft(target_step(target.model, forward))
         how = "compiled" if forward is not None else "eager"
         return StepCosts(verify, fixed, levels,
-                         note=f"measured at start-up, {torch.get_num_threads()} threads, {how} target forward")
+                         note=f"measured at start-up, {torch.get_num_threads()} threads, {how} target forward",
+                         chain=chain[0] if chain else None)
     return cached_costs(cost_key(target, head_folder, kind, compiled=forward is not None), measure)
 
 
@@ -459,6 +469,8 @@ def gate_options(choices, profile: AcceptanceProfile, costs: StepCosts) -> tuple
     nodes a node budget keeps): modelled accepted tokens and step cost over a plain step's."""
     from .draft_gate import GateOption
     ordered = tuple(validate_choices(choices))
+    if not all(c[-1] == 0 for c in ordered):
+        costs = replace(costs, chain=None)     # a tree drafts on the tree path, also when cut to a chain
     out = []
     for m in range(1, len(ordered) + 1):
         shape = modelled_shape(ordered[:m], profile, costs)

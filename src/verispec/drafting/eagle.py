@@ -386,19 +386,25 @@ def draft_costs(head: EagleHead, context: int = 256, reps: int = 7, between=None
     """Milliseconds of one step's drafting, batch 1, through the drafter's own protocol calls
     (accept one token, propose): ``fixed`` = a one-node tree (the catch-up alone, which also
     ranks depth 1) and ``[(w, level)]`` = the extra cost of one level over w expanded nodes.
-    ``between``: untimed work before each step (``draft_shape.time_ms``). ``compile``: chains
-    through the compiled ``ChainProgram`` (w = 1 is a chain; wider levels take the tree path)."""
-    fixed = _time_steps(head, ((0,),), context, reps, between, compile)
+    ``between``: untimed work before each step (``draft_shape.time_ms``). Trees are timed on the
+    general tree path; a third item gives the chain program's costs (``compile``: compiled), which
+    a chain drafts through: (a one-node chain, each further node of a three-node one)."""
+    fixed = _time_steps(head, ((0,),), context, reps, between, tree_path=True)
     levels = []
     for w in (1, 2, 4, 8):
         choices = tuple((i,) for i in range(w)) + tuple((i, 0) for i in range(w))
-        levels.append((w, max(0.0, _time_steps(head, choices, context, reps, between, compile) - fixed)))
-    return fixed, tuple(levels)
+        levels.append((w, max(0.0, _time_steps(head, choices, context, reps, between, tree_path=True) - fixed)))
+    one = _time_steps(head, ((0,),), context, reps, between, compile)
+    three = _time_steps(head, ((0,), (0, 0), (0, 0, 0)), context, reps, between, compile)
+    return fixed, tuple(levels), (one, max(0.0, (three - one) / 2))
 
 
-def _time_steps(head: EagleHead, choices, context: int, reps: int, between=None, compile: bool = False) -> float:
+def _time_steps(head: EagleHead, choices, context: int, reps: int, between=None, compile: bool = False,
+                tree_path: bool = False) -> float:
     tree = StaticTreeConfig.from_choices(choices)
-    drafter = EagleDrafter(head, tree, max_batch=1, max_len=context + reps + 8, compile=compile)
+    drafter = EagleDrafter(head, tree, max_batch=1, max_len=context + 3 * reps + 16, compile=compile)
+    if tree_path:
+        drafter._chain = None
     dev = drafter.device
     def feats(n: int) -> TargetFeatures:
         h = torch.zeros(n, head.cfg.target_hidden_size, dtype=head.embed_tokens.dtype, device=dev)
