@@ -90,6 +90,11 @@ SUITES: tuple[Suite, ...] = (
     spec_bench("specbench-smollm2-int4", SMOL, "int4", ("vanilla", "ngram", "ngram-x1", "eagle3", "llamacpp",
                                                         "llamacpp-pld"), 2, "spec_bench/exact_int4_smollm2",
                "Spec-Bench by method on SmolLM2 int4, against llama.cpp (vanilla and prompt lookup)"),
+    spec_bench("specbench-smollm2-heads-int4", SMOL, "int4", ("vanilla", "eagle3", "medusa", "eagle", "suffix",
+                                                              "hybrid", "ngram-x1"), 2,
+               "spec_bench/heads_int4_smollm2",
+               "the learned heads, suffix and hybrid on SmolLM2's fast path (int4 + compile), modelled vs measured",
+               needs=()),
     spec_bench("specbench-smollm2-int8", SMOL, "int8", ("vanilla", "ngram-x1", "eagle3", "llamacpp"), 2,
                "spec_bench/exact_int8_smollm2", "Spec-Bench by method on SmolLM2 int8, against llama.cpp"),
     spec_bench("specbench-smollm2-int4-a8", SMOL, "int4-a8", ("vanilla", "ngram-x1", "llamacpp"), 2,
@@ -223,16 +228,18 @@ def get(name: str) -> Suite:
 
 # (suite, [methods]) rows of the table, in order: the current figure per model.
 TABLE_ROWS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("specbench-smollm2-int4", "exact-int4-smollm2", ("vanilla", "ngram-x1", "eagle3", "llamacpp")),
+    ("specbench-smollm2-int4", "exact-int4-smollm2", ("vanilla", "ngram-x1", "llamacpp")),
     ("specbench-qwen-int4-a8", "exact-int4-a8-qwen-26", ("vanilla", "ngram-x1", "draft-v64k-k3", "llamacpp")),
-    ("heads", "cpu-adaptive", ("vanilla", "eagle3", "eagle", "medusa")),
+    ("specbench-smollm2-heads-int4", "heads-int4-smollm2", ("vanilla", "eagle3", "medusa", "eagle", "suffix",
+                                                            "hybrid")),
 )
 TABLE_BEGIN = "<!-- results table: python -m verispec.bench.suites table --write -->"
 TABLE_END = "<!-- end of results table -->"
 METHOD_LABELS = {"vanilla": "vanilla (no speculation)", "ngram-x1": "ngram, `prompt_lookup_extra: 1`",
                  "eagle3": "eagle3 (shipped head)", "eagle": "eagle (EAGLE-1, shipped head)",
                  "medusa": "medusa (shipped head)", "llamacpp": "llama.cpp vanilla, same GGUF",
-                 "draft-v64k-k3": "draft_model 0.5B, k=3, 64k draft vocab"}
+                 "draft-v64k-k3": "draft_model 0.5B, k=3, 64k draft vocab", "suffix": "suffix (SuffixDecoding)",
+                 "hybrid": "hybrid (suffix or the EAGLE-3 head, per step)"}
 
 
 def _suite_result(suite: Suite, name: str) -> tuple[dict, Path]:

@@ -353,11 +353,22 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
     if sets_shape(config):
         user = tree.choices if isinstance(tree, StaticTreeConfig) else ()
     compiled = _compiled(forward)
-    return head_factory(target, config, kind.value + cut + ("/compiled" if compiled else ""), tree, user,
-                        lambda between: draft_costs(head, between=between, compile=compiled), 8,
-                        lambda tree, max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch, max_len=max_len,
-                                                                      compile=compiled),
-                        hidden_layers=head.hidden_layers, forward=forward)
+    factory = head_factory(target, config, kind.value + cut + ("/compiled" if compiled else ""), tree, user,
+                           lambda between: draft_costs(head, between=between, compile=compiled), 8,
+                           lambda tree, max_batch, max_len: EagleDrafter(head, tree, max_batch=max_batch,
+                                                                         max_len=max_len, compile=compiled),
+                           hidden_layers=head.hidden_layers, forward=forward)
+    chosen = StaticTreeConfig(factory.shape.choices) if factory.shape is not None else tree
+    if compiled and _is_chain(chosen):
+        warm_chain(head, chosen.max_depth)
+    return factory
+
+
+def warm_chain(head: EagleHead, depth: int) -> None:
+    """Compile the chain program's graphs now, not in a request's first steps: the catch-up over
+    one pending pair and over several (a step that accepted tokens), and the one-token level."""
+    with torch.no_grad():
+        _run_steps(head, StaticTreeConfig.chain(depth), 32, accepts=(0, 1, depth, 0, 1), compile=True)
 
 
 def _compiled(forward) -> bool:
@@ -397,6 +408,22 @@ def draft_costs(head: EagleHead, context: int = 256, reps: int = 7, between=None
     one = _time_steps(head, ((0,),), context, reps, between, compile)
     three = _time_steps(head, ((0,), (0, 0), (0, 0, 0)), context, reps, between, compile)
     return fixed, tuple(levels), (one, max(0.0, (three - one) / 2))
+
+
+def _run_steps(head: EagleHead, tree: TreeConfig, context: int, accepts, compile: bool) -> None:
+    """Draft steps on zero features after a ``context``-token prompt, accepting ``accepts[i]``
+    draft tokens (plus the root) after step i."""
+    drafter = EagleDrafter(head, tree, max_batch=1, max_len=context + sum(accepts) + len(accepts) + 16,
+                           compile=compile)
+    h = torch.zeros(1, head.cfg.target_hidden_size, dtype=head.embed_tokens.dtype, device=drafter.device)
+    feats = lambda n: TargetFeatures({i: h.expand(n, -1) for i in head.hidden_layers},   # noqa: E731
+                                     h.expand(n, -1) if head.needs_last_hidden else None)
+    ctx = [1] * (context + 1)
+    drafter.start(0, ctx[:-1], feats(context))
+    for a in accepts:
+        drafter.propose([DraftRequest(0, ctx, SamplingParams(), torch.Generator(device="cpu"))])
+        drafter.accept(0, [1] * (a + 1), feats(a + 1))
+        ctx += [1] * (a + 1)
 
 
 def _time_steps(head: EagleHead, choices, context: int, reps: int, between=None, compile: bool = False,
