@@ -55,31 +55,10 @@ def load_head(target, name: str):
 def chain_step_ms(head, path: str, depth: int, reps: int, between) -> float:
     """Fastest ms of one chain step of ``depth`` nodes through ``path`` (see the docstring)."""
     import torch
-    from verispec.core.features import TargetFeatures
-    from verispec.core.params import SamplingParams
-    from verispec.drafting.base import DraftRequest
-    from verispec.drafting.draft_shape import time_ms
-    from verispec.drafting.dynamic_tree import StaticTreeConfig
-    from verispec.drafting.eagle import EagleDrafter
-    context = 256
-    drafter = EagleDrafter(head, StaticTreeConfig.chain(depth), max_batch=1, max_len=context + 3 * reps + 16,
-                           compile=path == "chain+compile")
-    if path == "tree":
-        drafter._chain = None
-    h = torch.zeros(1, head.cfg.target_hidden_size)
-    feats = lambda n: TargetFeatures({i: h.expand(n, -1) for i in head.hidden_layers},    # noqa: E731
-                                     h.expand(n, -1) if head.needs_last_hidden else None)
-    ctx = [1] * (context + 1)
-    drafter.start(0, ctx[:-1], feats(context))
-    req = lambda: DraftRequest(0, ctx, SamplingParams(), torch.Generator())   # noqa: E731
-    drafter.propose([req()])
-
-    def step():
-        drafter.accept(0, [ctx[-1]], feats(1))
-        ctx.append(1)
-        drafter.propose([req()])
+    from verispec.drafting.eagle import _time_steps
     with torch.no_grad():
-        return time_ms(step, reps=reps, warmup=3, between=between)
+        return _time_steps(head, tuple((0,) * d for d in range(1, depth + 1)), 256, reps, between,
+                           compile=path == "chain+compile", tree_path=path == "tree")
 
 
 def measure(target, reps: int, between) -> dict:

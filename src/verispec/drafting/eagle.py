@@ -108,10 +108,10 @@ class EagleDrafter:
         depth = max(self._budget(r) for r in requests)
         if depth == 0:
             return [tree_on(DraftTree.empty(), self.device) for _ in requests]   # pending pairs wait
+        if max(len(r.context) - 1 - self.cache.lengths_of([r.row])[0] for r in requests) > self._cap:
+            return None                       # checked before fusing: the general path fuses them
         feeds = [self._pending_pairs(r) for r in requests]
         p = max(len(toks) for toks, _ in feeds)
-        if p > self._cap:
-            return None
         dev, rows = self.device, [r.row for r in requests]
         counts = [len(toks) for toks, _ in feeds]
         tokens = torch.tensor([toks + [0] * (p - len(toks)) for toks, _ in feeds], dtype=torch.long, device=dev)
@@ -410,36 +410,39 @@ def draft_costs(head: EagleHead, context: int = 256, reps: int = 7, between=None
     return fixed, tuple(levels), (one, max(0.0, (three - one) / 2))
 
 
-def _run_steps(head: EagleHead, tree: TreeConfig, context: int, accepts, compile: bool) -> None:
-    """Draft steps on zero features after a ``context``-token prompt, accepting ``accepts[i]``
-    draft tokens (plus the root) after step i."""
-    drafter = EagleDrafter(head, tree, max_batch=1, max_len=context + sum(accepts) + len(accepts) + 16,
-                           compile=compile)
+def _primed(head: EagleHead, tree: TreeConfig, context: int, room: int, compile: bool, tree_path: bool = False):
+    """A batch-1 drafter over ``tree`` started on zero features after a ``context``-token prompt
+    (``room`` more tokens fit), the feature maker, the context list and a request maker."""
+    drafter = EagleDrafter(head, tree, max_batch=1, max_len=context + room + 16, compile=compile)
+    if tree_path:
+        drafter._chain = None
     h = torch.zeros(1, head.cfg.target_hidden_size, dtype=head.embed_tokens.dtype, device=drafter.device)
     feats = lambda n: TargetFeatures({i: h.expand(n, -1) for i in head.hidden_layers},   # noqa: E731
                                      h.expand(n, -1) if head.needs_last_hidden else None)
     ctx = [1] * (context + 1)
     drafter.start(0, ctx[:-1], feats(context))
+    req = lambda: DraftRequest(0, ctx, SamplingParams(), torch.Generator(device="cpu"))   # noqa: E731
+    return drafter, feats, ctx, req
+
+
+def _run_steps(head: EagleHead, tree: TreeConfig, context: int, accepts, compile: bool) -> None:
+    """Draft steps on zero features after a ``context``-token prompt, accepting ``accepts[i]``
+    draft tokens (plus the root) after step i."""
+    drafter, feats, ctx, req = _primed(head, tree, context, sum(accepts) + len(accepts), compile)
     for a in accepts:
-        drafter.propose([DraftRequest(0, ctx, SamplingParams(), torch.Generator(device="cpu"))])
+        drafter.propose([req()])
         drafter.accept(0, [1] * (a + 1), feats(a + 1))
         ctx += [1] * (a + 1)
 
 
 def _time_steps(head: EagleHead, choices, context: int, reps: int, between=None, compile: bool = False,
                 tree_path: bool = False) -> float:
-    tree = StaticTreeConfig.from_choices(choices)
-    drafter = EagleDrafter(head, tree, max_batch=1, max_len=context + 3 * reps + 16, compile=compile)
-    if tree_path:
-        drafter._chain = None
-    dev = drafter.device
-    def feats(n: int) -> TargetFeatures:
-        h = torch.zeros(n, head.cfg.target_hidden_size, dtype=head.embed_tokens.dtype, device=dev)
-        return TargetFeatures({i: h for i in head.hidden_layers}, h if head.needs_last_hidden else None)
-    ctx = [1] * (context + 1)
-    drafter.start(0, ctx[:-1], feats(context))
-    req = lambda: DraftRequest(0, ctx, SamplingParams(), torch.Generator(device="cpu"))  # noqa: E731
+    """Fastest ms of one step (accept one token, propose ``choices``) through the chain program
+    (``compile``: compiled) where ``choices`` is a chain, else, or with ``tree_path``, the tree path."""
+    drafter, feats, ctx, req = _primed(head, StaticTreeConfig.from_choices(choices), context, 3 * reps,
+                                       compile, tree_path)
     drafter.propose([req()])                          # the prompt's catch-up, not timed
+
     def step():
         drafter.accept(0, [ctx[-1]], feats(1))
         ctx.append(1)
