@@ -291,11 +291,15 @@ def suite_markdown(result: BenchResult, summaries: list[Summary]) -> list[str]:
 
 
 def _machine_lines(machine: dict) -> list[str]:
-    return _table(["CPU", "cores (usable)", "memory", "torch", "transformers", "dtype", "threads",
-                   "OMP_WAIT_POLICY"],
-                  [[machine["cpu_model"], f"{machine['logical_cores']} ({machine['usable_cores']})",
-                    f"{machine['memory_gib']} GiB", machine["torch"], machine["transformers"], machine["dtype"],
-                    str(machine["threads"]), machine.get("omp_wait_policy") or "unset"]])
+    """The machine table; the vector ISA and the command when the record has them (the harness's
+    ``machine_record``; results.json files from before it lack both)."""
+    cpu = machine["cpu_model"] + (f" ({machine['isa']})" if machine.get("isa") else "")
+    out = _table(["CPU", "cores (usable)", "memory", "torch", "transformers", "dtype", "threads",
+                  "OMP_WAIT_POLICY"],
+                 [[cpu, f"{machine['logical_cores']} ({machine['usable_cores']})",
+                   f"{machine['memory_gib']} GiB", machine["torch"], machine["transformers"], machine["dtype"],
+                   str(machine["threads"]), machine.get("omp_wait_policy") or "unset"]])
+    return out + (["", f"Command: `{machine['command']}`"] if machine.get("command") else [])
 
 
 DEFINITIONS = """## Definitions

@@ -43,6 +43,7 @@ from ..models.sources import ModelSourceError
 from ..core.sampling import SamplingParams
 from ..drafting.shipped import model_stem, shipped_head
 from ..drafting.spec_config import SpecConfigError
+from .harness import machine_record
 from .records import PEER_KINDS, BenchError, BenchResult, FidelityRecord, GenResult, MethodSpec, RunRecord, stats_dict
 
 METHOD_NAMES = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix", "hybrid", "hf", "hf-pld",
@@ -357,35 +358,25 @@ class RssMeter:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def machine_info(dtype: torch.dtype, meter: RssMeter, device: torch.device = torch.device("cpu")) -> dict:
-    """CPU model, cores, memory, library versions, dtype, device (and GPU name) and threads of this run."""
+    """The harness's machine record (``harness.machine_record``: CPU, ISA, cores, torch, threads,
+    python, load, date, command) plus what a Spec-Bench run adds: memory, library versions, dtype,
+    device (and GPU name), OpenMP settings. ``cpu_model``, ``logical_cores`` and ``loadavg_start``
+    keep the names report.md and the committed results.json files use."""
     import transformers
     from .. import __version__ as verispec_version
-    cpu = cpu_model()
+    record = machine_record()
     try:
         mem_kib = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines()
                        if x.startswith("MemTotal:"))
     except (OSError, StopIteration):
         mem_kib = 0
-    return {"cpu_model": cpu, "logical_cores": os.cpu_count(),
+    return {**record, "cpu_model": record["cpu"], "logical_cores": record["cores"],
             "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "memory_gib": round(mem_kib / 2**20, 1), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "verispec": verispec_version,
             "dtype": str(dtype).replace("torch.", ""), "device": str(device),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(), "memory_source": meter.source,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
