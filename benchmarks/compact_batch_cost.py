@@ -12,16 +12,10 @@ Writes benchmarks/results/compact_batch_cost.{json,md}.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info, parse_result_args, write_result  # noqa: E402
+from verispec.bench import harness
 
 PATHS = {"tree": [0, 1, 3, 4], "chain": [0, 1, 2, 3]}
 WIDTH, START = 6, 300
@@ -42,40 +36,32 @@ def measure(b: int, path: list[int], reps: int) -> dict:
         cache.compact_batch(range(b), keep, [len(path)] * b)
         cache.rollback(range(b), [START] * b)
     fns = {"per_row": per_row, "batch": batch}
-    times = {name: [] for name in fns}
-    for _ in range(5):
-        per_row(), batch()
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+    harness.interleave(fns, 5)                        # warm-up
+    return harness.medians(harness.interleave(fns, reps), 1e3)
 
 
-def write_md(results: dict, path: str) -> None:
-    m = results["machine"]
-    lines = ["# Committing accepted K/V: `compact` per row vs `compact_batch`", "",
-             f"SmolLM2-135M-shaped cache (30 layers, 3 KV heads of 64, fp32), median ms of {results['reps']} "
-             f"reps (a rollback included), {m['threads']} thread, load average {m['load_avg_at_start']:.2f} "
-             f"at the start ({m['cores']} cores, {m['cpu']}).", "",
+def render(results: dict) -> str:
+    lines = [f"SmolLM2-135M-shaped cache (30 layers, 3 KV heads of 64, fp32), median ms of {results['reps']} "
+             "reps (a rollback included).", "",
              "| B | accepted path | compact per row ms | compact_batch ms |", "|---|---|---|---|"]
     for r in results["rows"]:
         lines.append(f"| {r['B']} | {r['path']} | {r['per_row']:.3f} | {r['batch']:.3f} |")
-    Path(path).write_text("\n".join(lines + [""]))
+    return "\n".join(lines)
+
+
+OUT = harness.Output("compact_batch_cost", "Committing accepted K/V: `compact` per row vs `compact_batch`", render)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=300)
-    args = parse_result_args(ap, "compact_batch_cost", write_md)
+    args = OUT.parse(ap)
     if args is None:
         return
     torch.set_num_threads(1)
-    info = machine_info()
+    info = harness.machine_record()
     rows = [{"B": b, "path": kind, **measure(b, path, args.reps)} for b in (1, 4, 8) for kind, path in PATHS.items()]
-    write_result({"machine": info, "reps": args.reps, "rows": rows}, args.out, write_md)
-    print(Path(args.out + ".md").read_text())
+    print(OUT.write({"machine": info, "reps": args.reps, "rows": rows}, args.out).read_text())
 
 
 if __name__ == "__main__":

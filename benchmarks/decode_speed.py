@@ -23,12 +23,10 @@ import argparse
 import gc
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_info, machine_line, run_per_model  # noqa: E402
+from verispec.bench import harness
 
 
 LEGACY_ENV = {"VERISPEC_FP16_KERNEL": "torch", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -129,7 +127,8 @@ def run(args) -> dict:
     qs = per_category(spec_bench_questions(), args.per_category)
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False).input_ids for q in qs]
-    res = {"machine": machine_info(), "model": args.model, "settings": vars(args).copy(), "variants": {}}
+    res = {"machine": harness.machine_record(), "model": args.model, "settings": harness.settings(args),
+           "variants": {}}
     for name, (gen, obj) in variants.items():
         t0 = time.perf_counter()
         gen(prompts[0], args.max_tokens)
@@ -155,7 +154,6 @@ def run(args) -> dict:
         v["vs_" + base] = v["tokens_per_s"] / (res["variants"][base]["tokens"] / res["variants"][base]["wall_s"])
         v["same_as_" + base] = sum(a == b for a, b in zip(outputs[name], outputs[base])) / len(prompts)
     res["prompts"] = len(prompts)
-    res["machine_line"] = machine_line(with_isa=True)
     for obj in variants.values():
         if hasattr(obj[1], "close"):
             obj[1].close()
@@ -164,12 +162,10 @@ def run(args) -> dict:
     return res
 
 
-def write_md(res: dict, path: str) -> None:
+def render(res: dict) -> str:
     s, names = res["settings"], list(res["variants"])
     base = names[0]
-    lines = [f"# Vanilla decoding speed by weights option: {res['model']}", "",
-             f"Machine: {res['machine_line']}; torch {res['machine']['torch']}, {s['threads']} threads. "
-             f"{res['prompts']} Spec-Bench prompts ({s['per_category']} per category), {s['max_tokens']} new tokens, "
+    lines = [f"{s['threads']} threads. {res['prompts']} Spec-Bench prompts ({s['per_category']} per category), {s['max_tokens']} new tokens, "
              "greedy, EOS ignored; every variant in its own worker process, run on each prompt in turn.", "",
              f"| variant | tok/s | vs {base} | vs llamacpp | outputs = {base} | warm-up s (compile s, graphs) |",
              "|---|---|---|---|---|---|"]
@@ -179,9 +175,17 @@ def write_md(res: dict, path: str) -> None:
         comp = f" ({v['compile_s']:.0f} s, {v['graphs']})" if v["graphs"] else ""
         lines.append(f"| {n} | {v['tokens_per_s']:.1f} | {v['vs_' + base]:.2f}x | {vs_llama} | "
                      f"{v['same_as_' + base]:.0%} | {v['warmup_s']:.0f}{comp} |")
-    lines += ["", f"Command: `python benchmarks/decode_speed.py --model {res['model']} --variants {s['variants']} "
-                  f"--per-category {s['per_category']} --max-tokens {s['max_tokens']}`", ""]
-    Path(path).write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def legacy_command(res: dict) -> str:
+    s = res["settings"]
+    return (f"python benchmarks/decode_speed.py --model {res['model']} --variants {s['variants']} "
+            f"--per-category {s['per_category']} --max-tokens {s['max_tokens']}")
+
+
+OUT = harness.Output("decode_speed", lambda res: f"Vanilla decoding speed by weights option: {res['model']}", render,
+                     model="smollm2-135m", legacy_command=legacy_command)
 
 
 def main() -> None:
@@ -193,7 +197,7 @@ def main() -> None:
     if "--worker" in sys.argv:
         worker_main()
         return
-    run_per_model(ap, "decode_speed", run, write_md)
+    OUT.main(ap, run)
 
 
 if __name__ == "__main__":

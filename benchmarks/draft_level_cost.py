@@ -22,15 +22,13 @@ Writes benchmarks/results/draft_level_cost.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-import time
 from pathlib import Path
+
+from verispec.bench import harness
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
 PATHS = ("tree", "chain", "chain+compile")
 EAGLE_HEADS = {"eagle3": "smollm2-135m-eagle3", "eagle": "smollm2-135m-eagle"}
 DEPTHS = (1, 2, 3, 4)
@@ -82,30 +80,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--out", default=str(HERE / "results" / "draft_level_cost"))
-    a = ap.parse_args()
+    a = OUT.parse(ap)
+    if a is None:
+        return
     import torch
 
-    from machine import machine_line
     from verispec.drafting.draft_shape import target_step
     from verispec.models.compiled import CompiledForward
     from verispec.models.loading import load_model
     torch.set_num_threads(2)
+    machine = harness.machine_record()
     target = load_model("smollm2-135m", weights="int4")
     between = target_step(target.model, CompiledForward.shared(target.model))
     runs = [measure(target, a.reps, between) for _ in range(a.rounds)]
     med = {k: {m: (statistics.median(r[k][m] for r in runs) if runs[0][k][m] is not None else None)
                for m in ("fixed", "level")} for k in runs[0]}
-    machine, date = machine_line(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    Path(a.out + ".json").write_text(json.dumps({"machine": machine, "date": date, "rounds": a.rounds,
-                                                 "reps": a.reps, "runs": runs, "median": med}, indent=1))
-    Path(a.out + ".md").write_text(render(med, machine, date, a.rounds, a.reps))
-    print(Path(a.out + ".md").read_text())
+    res = {"machine": machine, "rounds": a.rounds, "reps": a.reps, "runs": runs, "median": med}
+    print(OUT.write(res, a.out).read_text())
 
 
-def render(med: dict, machine: str, date: str, rounds: int, reps: int) -> str:
-    lines = ["# Draft step cost by drafting path", "",
-             f"Machine: {machine}; {date}. SmolLM2-135M with int4 weights (compiled target forward between "
+def render(res: dict) -> str:
+    med, rounds, reps = res["median"], res["rounds"], res["reps"]
+    lines = ["SmolLM2-135M with int4 weights (compiled target forward between "
              f"steps), the shipped heads packed int4, 2 threads, batch 1, 256-token context; fastest of {reps} "
              f"steps, median of {rounds} rounds. Fixed: a one-node chain (EAGLE: the catch-up, which ranks "
              "depth 1; Medusa: every depth at once). Level: each further chain node. Cold: after a target "
@@ -121,7 +117,10 @@ def render(med: dict, machine: str, date: str, rounds: int, reps: int) -> str:
     lines += ["", "Goal (issue 37): EAGLE-3 fixed <= 0.5 ms, each level <= 0.3 ms; Medusa <= 0.3 ms. Cold costs "
               "include fetching the head's weights again after the target's have streamed through the caches "
               "(about 5 MB int4 for EAGLE-3, half of it the 8,192-row LM head): the part no op count removes."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
+
+
+OUT = harness.Output("draft_level_cost", "Draft step cost by drafting path", render)
 
 
 if __name__ == "__main__":

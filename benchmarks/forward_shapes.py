@@ -25,13 +25,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info, parse_result_args, write_result  # noqa: E402
+from verispec.bench import harness
 
 MODULES = ("config", "kv_cache", "packed", "transformer")
 
@@ -71,7 +69,6 @@ def prefill(model, cache, context: int, batch: int) -> None:
 def measure(args) -> dict:
     from verispec.models.kv_cache import KVCache
     from verispec.models.loading import load_model
-    torch.set_num_threads(args.threads)
     target = load_model("smollm2-135m", weights="fp16").model
     old_tf, old_kv = load_baseline(args.baseline)
     classes = {n: getattr(old_tf, n) for n in ("Transformer", "Block", "Attention", "MLP", "RMSNorm")}
@@ -91,18 +88,9 @@ def measure(args) -> dict:
             kw = {"kv_len": cache.kv_len(range(b), t, opt["granule"])} if opt else {}
             calls[name] = (lambda m=model, c=cache, kw=kw:
                            m(tokens, positions, c, attn_mask=mask, rows=rows, **kw))
-        times = {name: [] for name in calls}
         with torch.no_grad():
-            for _ in range(args.warmup):
-                for fn in calls.values():
-                    fn()
-            names = list(calls)
-            for rep in range(args.reps):
-                for name in names[rep % len(names):] + names[:rep % len(names)]:   # rotate the order
-                    fn = calls[name]
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
+            harness.interleave(calls, args.warmup)
+            times = harness.interleave(calls, args.reps, rotate=True)      # the order rotated per rep
         out[f"T={t}"] = {name: summary(ts, times["before"]) for name, ts in times.items()}
     return out
 
@@ -115,13 +103,11 @@ def summary(ts: list[float], before: list[float]) -> dict:
             "paired_ratio": statistics.median(a / b for a, b in zip(ts, before))}
 
 
-def write_md(results: dict, path: str) -> None:
-    m = results["machine"]
-    lines = ["# Target forward on the CPU: before / after bucketed shapes", "",
-             f"SmolLM2-135M fp16-packed, batch {results['batch']}, {results['context']} committed tokens, "
-             f"{m['threads']} torch thread(s), {results['reps']} interleaved reps per variant; "
-             f"baseline = git `{results['baseline']}`. Load average {m['load_avg_at_start']:.2f} at the "
-             f"start, {results['load_avg_at_end']:.2f} at the end ({m['cores']} cores, {m['cpu']}).", "",
+def render(results: dict) -> str:
+    lines = [f"SmolLM2-135M fp16-packed, batch {results['batch']}, {results['context']} committed tokens, "
+             f"{results['machine']['threads']} torch thread(s), {results['reps']} interleaved reps per variant; "
+             f"baseline = git `{results['baseline']}`. Load average {results['load_avg_at_end']:.2f} at the end.",
+             "",
              "| T | variant | median ms | q1 | q3 | median / before's | paired ratio |",
              "|---|---|---|---|---|---|---|"]
     for t, row in results["times"].items():
@@ -132,8 +118,11 @@ def write_md(results: dict, path: str) -> None:
     lines += ["", "`after`: no `kv_len` (today's call); `host_exact`: `kv_len=cache.kv_len(rows, T, "
               "granule=1)` (today's shapes from the host mirror); `bucketed`: `kv_len=cache.kv_len(rows, T)` "
               "(multiples of 64: up to 63 more masked key slots per forward). Paired ratio: the median "
-              "over reps of (this variant's time / `before`'s time in the same rep).", ""]
-    Path(path).write_text("\n".join(lines))
+              "over reps of (this variant's time / `before`'s time in the same rep)."]
+    return "\n".join(lines)
+
+
+OUT = harness.Output("forward_shapes", "Target forward on the CPU: before / after bucketed shapes", render)
 
 
 def main() -> None:
@@ -144,16 +133,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--baseline", default="main")
-    args = parse_result_args(ap, "forward_shapes", write_md)
+    args = OUT.parse(ap)
     if args is None:
         return
-    info = machine_info()
+    torch.set_num_threads(args.threads)
+    info = harness.machine_record()
     times = measure(args)
-    info["threads"] = torch.get_num_threads()
     results = {"machine": info, "batch": args.batch, "context": args.context, "reps": args.reps,
-               "baseline": args.baseline, "times": times, "load_avg_at_end": os.getloadavg()[0]}
-    write_result(results, args.out, write_md)
-    print(Path(args.out + ".md").read_text())
+               "baseline": args.baseline, "times": times,
+               "load_avg_at_end": os.getloadavg()[0]}
+    print(OUT.write(results, args.out).read_text())
 
 
 if __name__ == "__main__":

@@ -25,16 +25,12 @@ Writes benchmarks/results/gpu_verify_capture.{json,md} (``--out``).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info, parse_result_args, write_result  # noqa: E402
+from verispec.bench import harness
 
 BATCHES = (1, 8)
 TREE_TOKENS = (1, 4, 8, 16, 32)
@@ -182,13 +178,10 @@ def reuse_check(step: Step, fn) -> float | None:
     return (got - want).abs().max().item()
 
 
-def write_md(results: dict, path: str) -> None:
-    m = results["machine"]
+def render(results: dict) -> str:
     cols = ["eager_exact_ms", "eager_ms", "cuda_graph_ms", "compiled_ms"]
-    lines = ["# Verify forward: eager vs CUDA graph vs torch.compile(reduce-overhead)", "",
-             f"{results['model']} in {results['dtype']} on {results['device_name']}, {results['context']} "
-             f"committed tokens (rows 3 apart), median of {results['reps']} synchronised calls. "
-             f"torch {m['torch']}.", ""]
+    lines = [f"{results['model']} in {results['dtype']} on {results['device_name']}, {results['context']} "
+             f"committed tokens (rows 3 apart), median of {results['reps']} synchronised calls.", ""]
     if results.get("note"):
         lines += [f"**{results['note']}**", ""]
     lines += ["| B | T | kv_len | " + " | ".join(c[:-3] + " ms" for c in cols) + " | graph x | compile x |",
@@ -204,15 +197,18 @@ def write_md(results: dict, path: str) -> None:
     graphs = sorted({f"{k[:-7]} {r[k]}" for r in rows for k in r if k.endswith("_graphs")})
     lines += ["", "Speed-ups (x) are over `eager_exact` (today's call). Largest |logits - eager_exact| "
               "(`_reused`: a second step, rows one token longer, same bucket): " + (", ".join(diffs) or "-")
-              + ". Graphs per (B, T) after that second step: " + (", ".join(graphs) or "-") + ".", ""]
+              + ". Graphs per (B, T) after that second step: " + (", ".join(graphs) or "-") + "."]
     if errs:
-        lines += ["Errors:", *errs, ""]
-    Path(path).write_text("\n".join(lines))
+        lines += ["", "Errors:", *errs]
+    return "\n".join(lines)
+
+
+OUT = harness.Output("gpu_verify_capture", "Verify forward: eager vs CUDA graph vs torch.compile(reduce-overhead)",
+                     render, model="smollm2-135m", per_model=False)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tiny", action="store_true", help="a random 2-layer model (tests)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
@@ -223,7 +219,7 @@ def main() -> None:
     ap.add_argument("--variants", default="cuda_graph,compiled", help="captured variants to run")
     ap.add_argument("--cpu-standins", action="store_true",
                     help="without CUDA, run the captured variants' CPU stand-ins (tests)")
-    args = parse_result_args(ap, "gpu_verify_capture", write_md)
+    args = OUT.parse(ap)
     if args is None:
         return
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
@@ -232,15 +228,15 @@ def main() -> None:
         print(note)
     model = load(args)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    results = {"machine": machine_info(), "model": "tiny random" if args.tiny else args.model,
+    results = {"machine": harness.machine_record(), "model": "tiny random" if args.tiny else args.model,
                "dtype": str(args.dtype).removeprefix("torch."), "device_name": name, "context": args.context,
                "reps": args.reps, "note": note, "rows": []}
     for b in map(int, args.batches.split(",")):
         for t in map(int, args.tree_tokens.split(",")):
             results["rows"].append(measure_one(model, b, t, args))
             print(results["rows"][-1], flush=True)
-            write_result(results, args.out, write_md)         # after every row: a timeout keeps them
-    print(Path(args.out + ".md").read_text())
+            md = OUT.write(results, args.out)         # after every row: a timeout keeps them
+    print(md.read_text())
 
 
 if __name__ == "__main__":

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info, parse_result_args, write_result  # noqa: E402
+from verispec.bench import harness
 
 # llguidance JSON in the same layout as xgrammar any_whitespace=False: ", " and ": ", no other whitespace.
 LLG_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -288,11 +285,8 @@ def _requires(dist: str) -> list[str]:
         return ["(not installed)"]
 
 
-def write_md(res: dict, path: str) -> None:
-    m = res["machine"]
-    lines = ["# Grammar libraries for structured output, measured", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['threads']} threads. "
-             f"Tokenizer: {res['model']} ({res['vocab']} tokens). Command: `python benchmarks/grammar_backends.py`.", "",
+def render(res: dict) -> str:
+    lines = [f"Tokenizer: {res['model']} ({res['vocab']} tokens).", "",
              "Mask ms/token = fill the next-token mask + advance on the token, averaged over the valid "
              "documents' tokens. Tree 16 = masks of a 16-node tree (4 chains of 4) with advance and rollback. "
              "OK = every valid document accepted token by token and ending accepted, every invalid one refused.", "",
@@ -312,25 +306,28 @@ def write_md(res: dict, path: str) -> None:
     lines += ["", "Run-time dependencies (from the installed wheels' metadata):", ""]
     lines += [f"- {lib}: {', '.join(d) if d else 'none'}" for lib, d in res.get("requires", {}).items()]
     lines += ["", res.get("conclusion", "")]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
+OUT = harness.Output("grammar_backends", "Grammar libraries for structured output, measured", render,
+                     model="smollm2-135m", per_model=False,
+                     legacy_command=lambda res: "python benchmarks/grammar_backends.py")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    args = parse_result_args(ap, "grammar_backends", write_md)
+    args = OUT.parse(ap)
     if args is None:
         return
     from verispec.models.loading import load_model
     loaded = load_model(args.model)
     tok, vocab = loaded.tokenizer, loaded.config.vocab_size
-    res = {"machine": machine_info(), "model": args.model, "vocab": vocab, "libraries": {},
+    res = {"machine": harness.machine_record(), "model": args.model, "vocab": vocab, "libraries": {},
            "requires": {d: _requires(d) for d in ("xgrammar", "llguidance", "outlines-core")}, "conclusion": CHOICE}
     for cls in (XG, LLG, OC):
         res["libraries"][cls.name] = run_library(cls, tok, vocab)
         print(cls.name, json.dumps(res["libraries"][cls.name], indent=1), flush=True)
-    write_result(res, args.out, write_md)
+    OUT.write(res, args.out)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_line  # noqa: E402
+from verispec.bench import harness
 
 
 def read_run(folder: Path, step: int | None = None) -> dict:
@@ -36,27 +34,24 @@ def read_run(folder: Path, step: int | None = None) -> dict:
             "command": meta.get("command", "")}
 
 
-def write_md(res: dict, path: Path) -> None:
+def render(res: dict) -> str:
     depth = max(len(r["acc"]) for r in res["arms"].values())
     head = "| arm | steps | wall min | held-out loss | " + " | ".join(f"acc@{i}" for i in range(depth)) + " |"
-    lines = ["# EAGLE-3 head training ablation: initialisation and TTT length (same wall time)", "",
-             f"Machine: {res['machine']}. {res['note']}", "", head,
+    lines = [res["note"], "", head,
              "|" + "---|" * (4 + depth)]
     for name, r in res["arms"].items():
         accs = [f"{a:.3f}" for a in r["acc"]] + ["–"] * (depth - len(r["acc"]))
         wall = f"{r['wall_s'] / 60:.1f}" if r["wall_s"] is not None else "–"
         lines.append(f"| {name} | {r['steps']} | {wall} | {r['loss']:.2f} | " + " | ".join(accs) + " |")
-    lines += ["", "Commands:", ""] + [f"- {name}: `{r['command']}`" for name, r in res["arms"].items()] + [""]
-    path.write_text("\n".join(lines))
+    lines += ["", "Commands:", ""] + [f"- {name}: `{r['command']}`" for name, r in res["arms"].items()]
+    return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--run", action="append", required=True,
-                    help="name=folder of a finished run (name=folder@STEP: its evaluation at STEP)")
-    ap.add_argument("--note", default="", help="how the arms ran (pairs, threads, load)")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "head_init"))
-    args = ap.parse_args()
+OUT = harness.Output("head_init", "EAGLE-3 head training ablation: initialisation and TTT length (same wall time)",
+                     render)
+
+
+def read_arms(args) -> dict:
     arms = {}
     for spec in args.run:
         name, _, folder = spec.partition("=")
@@ -64,11 +59,15 @@ def main() -> None:
             raise SystemExit(f"--run takes name=folder, got {spec!r}")
         folder, _, step = folder.partition("@")
         arms[name] = read_run(Path(folder), int(step) if step else None)
-    res = {"machine": machine_line(with_isa=True), "note": args.note, "arms": arms}
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    write_md(res, out.with_suffix(".md"))
-    print(out.with_suffix(".md").read_text())
+    return {"machine": harness.machine_record(), "note": args.note, "arms": arms}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", action="append", help="name=folder of a finished run (repeat; "
+                    "name=folder@STEP: its evaluation at STEP)")
+    ap.add_argument("--note", default="", help="how the arms ran (pairs, threads, load)")
+    OUT.main(ap, lambda args: read_arms(args) if args.run else ap.error("--run is required"))
 
 
 if __name__ == "__main__":

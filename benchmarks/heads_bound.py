@@ -26,9 +26,9 @@ Writes benchmarks/results/heads_bound.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
+
+from verispec.bench import harness
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -148,11 +148,10 @@ def _chain_ms(costs, k: int) -> float:
     return tree_cost(tuple(tuple([0] * i) for i in range(1, k + 1)), costs)
 
 
-def report(res: dict, machine: str) -> str:
+def report(res: dict) -> str:
     v = dict(res["verify_ms"])
-    lines = ["# What bounds the shipped heads on this machine", "",
-             f"Machine: {machine}. SmolLM2-135M fp16-packed, 2 threads, batch 1, 256-token context; "
-             f"fastest of {res['reps']} timings, all measured in this run ({res['date']}). Modelled with "
+    lines = ["SmolLM2-135M fp16-packed, 2 threads, batch 1, 256-token context; "
+             f"fastest of {res['reps']} timings, all measured in this run. Modelled with "
              "`draft_shape` (what the default configs use to choose their shapes); the engine's own "
              "per-step overhead and the prefill are not in these numbers, so real speed-ups are lower (the "
              "prefill's share is measured below).", "",
@@ -192,20 +191,20 @@ def report(res: dict, machine: str) -> str:
     return "\n".join(lines)
 
 
+OUT = harness.Output("heads_bound", "What bounds the shipped heads on this machine", report)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--out", default=str(HERE / "results" / "heads_bound"))
-    a = ap.parse_args()
-    res = measure(a.reps)
-    res |= {"reps": a.reps, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    from machine import machine_line          # benchmarks/ (this script's folder)
-    machine = machine_line()
-    res["machine"] = machine
-    Path(a.out + ".json").write_text(json.dumps(res, indent=1))
-    md = report(res, machine)
-    Path(a.out + ".md").write_text(md + "\n")
-    print(md)
+    OUT.main(ap, run)
+
+
+def run(a) -> dict:
+    import torch
+    torch.set_num_threads(2)
+    machine = harness.machine_record()                  # before measuring, with its thread count
+    return {"machine": machine, **measure(a.reps), "reps": a.reps}
 
 
 if __name__ == "__main__":

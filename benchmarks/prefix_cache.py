@@ -22,15 +22,12 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # no spinning threads on shared cores
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info, parse_result_args, write_result  # noqa: E402
-
 from verispec import LLM, SamplingParams  # noqa: E402
+from verispec.bench import harness  # noqa: E402
 from verispec.core.engine import Sequence  # noqa: E402
 from verispec.models.loading import load_model  # noqa: E402
 
@@ -193,12 +190,10 @@ def summary(rows: list[dict]) -> dict:
             "decode_tokens_per_s_on_median": med("decode_tokens_per_s", "on", repeat)}
 
 
-def write_md(res: dict, path: str) -> None:
-    m, s = res["machine"], res["summary"]
-    lines = ["# Prefix cache: multi-turn chat TTFT and tokens/s, with and without the cache", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['threads']} threads, Python "
-             f"{m['python']}; load average {m['load_avg_at_start']:.1f} at the start (the machine is shared with "
-             f"other jobs: absolute times are noisy, with/without pairs run back to back). SmolLM2-135M fp32, "
+def render(res: dict) -> str:
+    s = res["summary"]
+    lines = ["The machine is shared with other jobs: absolute times are noisy, with/without pairs run back to "
+             f"back. SmolLM2-135M fp32, "
              f"greedy, {res['max_tokens']} new tokens per turn, block size 16, cache {res['cache_mb']:g} MiB. "
              f"Outputs with and without the cache identical on every turn: {res['identical']}. "
              f"Total run {res['total_s']:.0f} s.", "",
@@ -233,10 +228,12 @@ def write_md(res: dict, path: str) -> None:
                      f"{h['copy_in_s'] * 1e3:.0f} | {r['miss']['insert_prompt_s'] * 1e3:.0f} | {h['start_s'] * 1e3:.1f} | {h['first_propose_s'] * 1e3:.0f} | {h['steady_propose_s'] * 1e3:.0f} |")
     lines += ["", "Reading: the first propose minus a steady one is the rebuild a stored drafter state would save; "
               "it is small next to the target prefill the cache saves for n-gram and the one-layer EAGLE heads, "
-              "and largest for the 8-layer self-draft model.", "",
-              f"Command: `{res['command']}`"]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+              "and largest for the 8-layer self-draft model."]
+    return "\n".join(lines)
+
+
+OUT = harness.Output("prefix_cache", "Prefix cache: multi-turn chat TTFT and tokens/s, with and without the cache",
+                     render)
 
 
 def main() -> None:
@@ -245,24 +242,22 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--cache-mb", type=float, default=256)
     ap.add_argument("--threads", type=int, default=2)
-    args = parse_result_args(ap, "prefix_cache", write_md)
+    args = OUT.parse(ap)
     if args is None:
         return
     torch.set_num_threads(args.threads)
+    machine = harness.machine_record()
     t0 = time.perf_counter()
     target = load_model("smollm2-135m", dtype="float32")
     rows = conversation(target, args.turns, args.max_tokens, args.cache_mb)
     helper = LLM(loaded=target)
     ids = chat_ids(helper, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}])
     rebuild = {name: store_vs_rebuild(target, name, spec, ids) for name, spec in DRAFTERS.items()}
-    res = {"machine": machine_info(), "max_tokens": args.max_tokens, "cache_mb": args.cache_mb,
+    res = {"machine": machine, "max_tokens": args.max_tokens, "cache_mb": args.cache_mb,
            "identical": True, "conversation": rows, "summary": summary(rows),
            "rebuild_prompt_tokens": len(ids), "store_vs_rebuild": rebuild,
-           "total_s": time.perf_counter() - t0,
-           "command": f"python benchmarks/prefix_cache.py --turns {args.turns} --max-tokens {args.max_tokens} "
-                      f"--threads {args.threads}"}
-    write_result(res, args.out, write_md)
-    print(open(args.out + ".md").read())
+           "total_s": time.perf_counter() - t0}
+    print(OUT.write(res, args.out).read_text())
 
 
 if __name__ == "__main__":

@@ -23,8 +23,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info, parse_result_args, write_result  # noqa: E402
+from verispec.bench import harness
 
 # (weights, batch, threads, processes, conversations per process)
 DEFAULT_CONFIGS = "fp16:1:2:1:8,fp16:8:2:1:48,fp16:16:2:1:64,fp16:32:2:1:96,fp16:64:2:1:192,dense:16:2:1:64,fp16:64:1:2:128"
@@ -88,12 +87,9 @@ def run_config(spec: str, max_tokens: int) -> dict:
             "cpu_per_wall": sum(p["cpu_per_wall"] for p in parts)}
 
 
-def write_md(results: dict, path: str) -> None:
-    m = results["machine"]
-    lines = ["# Regeneration throughput: SmolLM2-135M, continuous batching", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores (AVX2), torch {m['torch']}; shared with other "
-             f"engineers' test runs, so the numbers are noisy (load average {m['load_avg_at_start']:.2f} at "
-             f"the start; `cpu/wall` below 2 means this run did not have both cores). First turns of "
+def render(results: dict) -> str:
+    lines = ["The machine is shared with other engineers' test runs, so the numbers are noisy (`cpu/wall` "
+             "below 2 means this run did not have both cores). First turns of "
              f"ShareGPT conversations, greedy, {results['max_tokens']} new tokens at most, prompts of at most "
              "512 tokens (longer ones skipped).", "",
              "| weights | batch | threads x processes | conversations | tokens | end-to-end tok/s | "
@@ -107,12 +103,14 @@ def write_md(results: dict, path: str) -> None:
               "from the first finished answer until the input ran out (every row busy). Rows with several "
               "processes add the processes' rates (they ran at the same time, one `--shard i/n` each). Tokens per "
               "CPU-second: end-to-end tokens over the CPU time the run got, the number least disturbed by "
-              "the other work on the machine.", "",
-              f"Command: `python benchmarks/regen_throughput.py --max-tokens {results['max_tokens']}`."]
+              "the other work on the machine."]
     if results.get("notes"):
         lines += ["", results["notes"]]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
+OUT = harness.Output("regen_throughput", "Regeneration throughput: SmolLM2-135M, continuous batching", render,
+                     legacy_command=lambda r: f"python benchmarks/regen_throughput.py --max-tokens {r['max_tokens']}")
 
 
 def main() -> None:
@@ -124,16 +122,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--configs", default=DEFAULT_CONFIGS,
                     help="comma-separated weights:batch:threads:processes:conversations_per_process")
-    args = parse_result_args(ap, "regen_throughput", write_md)
+    args = OUT.parse(ap)
     if args is None:
         return
-    results = {"machine": machine_info(), "max_tokens": args.max_tokens, "rows": []}
+    results = {"machine": harness.machine_record(), "max_tokens": args.max_tokens, "rows": []}
     for spec in args.configs.split(","):
         row = run_config(spec, args.max_tokens)
         results["rows"].append(row)
         print(f"{spec}: end-to-end {row['end_to_end_tok_s']:.1f} tok/s, steady {row['steady_tok_s'] or 0:.1f}, "
               f"cpu/wall {row['cpu_per_wall']:.2f}", flush=True)
-        write_result(results, args.out, write_md)     # after each row: a stopped run keeps what it measured
+        OUT.write(results, args.out)     # after each row: a stopped run keeps what it measured
 
 
 if __name__ == "__main__":

@@ -43,10 +43,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads: shar
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info, parse_result_args  # noqa: E402
 from spec_core import NGRAM, QWEN_DRAFT_VOCAB, chat_ids  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
+from verispec.bench import harness  # noqa: E402
 from verispec.data import spec_bench_questions  # noqa: E402
 from verispec.models.kv_cache import KVCache  # noqa: E402
 from verispec.models.loading import load_model  # noqa: E402
@@ -219,13 +219,10 @@ def part_k() -> dict:
     return res
 
 
-def write_md(res: dict, path: str) -> None:
-    m = res["machine"]
-    lines = ["# Speed-up bounds from measured forward costs", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['threads']} threads, "
-             f"load average {m['load_avg_at_start']:.1f} at the last start. Parts measured at (UTC): "
+def render(res: dict) -> str:
+    lines = ["The machine line is the last start's. Parts measured at (UTC): "
              + ", ".join(f"{k} {v[:16]}" for k, v in res.get("part_measured_at", {}).items()) + ". "
-             "Greedy, batch 1, fp16-packed weights. Written by `benchmarks/spec_bound.py`.", ""]
+             "Greedy, batch 1, fp16-packed weights.", ""]
     if "qwen" in res:
         q = res["qwen"]
         lines += ["## Qwen2.5-Coder 1.5B target, 0.5B draft (64k draft vocabulary), coding prompts", "",
@@ -272,11 +269,11 @@ def write_md(res: dict, path: str) -> None:
         for name, d in res["kernels"].items():
             lines.append(f"| {name} | " + " | ".join(f"{d[t]:.1f}" if t in d else "" for t in ("1", "2", "5", "8")) + " |")
         lines.append("")
-    notes = path.removesuffix(".md") + ".analysis.md"
-    if os.path.exists(notes):
-        lines += ["## Analysis", "", open(notes).read()]
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
+    return "\n".join(lines)
+
+
+OUT = harness.Output("spec_bound", "Speed-up bounds from measured forward costs", render, analysis=True,
+                     legacy_command=lambda res: "python benchmarks/spec_bound.py")
 
 
 def main() -> None:
@@ -284,23 +281,21 @@ def main() -> None:
     ap.add_argument("--part", default="qsk", help="q: Qwen pair, s: SmolLM2 ngram summarization, k: kernels")
     ap.add_argument("--prompts", type=int, default=2, help="coding prompts for part q")
     ap.add_argument("--max-tokens", type=int, default=128)
-    args = parse_result_args(ap, "spec_bound", write_md)
+    args = OUT.parse(ap)
     if args is None:
         return
     torch.set_num_threads(os.cpu_count() or 1)
-    res = {"machine": machine_info(), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    res = {"machine": harness.machine_record()}
     if os.path.exists(args.out + ".json"):           # parts not rerun now are kept
         with open(args.out + ".json") as f:
-            res = dict(json.load(f), machine=res["machine"], measured_at=res["measured_at"])
+            res = dict(json.load(f), machine=res["machine"])
     res.setdefault("part_measured_at", {})
     for key, letter, fn in (("qwen", "q", lambda: part_q(args.prompts, args.max_tokens)),
                             ("smollm2", "s", lambda: part_s(args.max_tokens)), ("kernels", "k", part_k)):
         if letter in args.part:
             res["part_measured_at"][key] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             res[key] = fn()
-    with open(args.out + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    write_md(res, args.out + ".md")
+    OUT.write(res, args.out)
 
 
 if __name__ == "__main__":

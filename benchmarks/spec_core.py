@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads: shared cores
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info, parse_result_args, write_result  # noqa: E402
-
 from verispec import LLM, SamplingParams  # noqa: E402
+from verispec.bench import harness  # noqa: E402
 from verispec.data import per_category, spec_bench_questions  # noqa: E402
 from verispec.models.loading import load_model  # noqa: E402
 
@@ -121,10 +118,8 @@ def part_b(max_tokens: int, n_prompts: int, weights: str) -> dict:
             **run(methods, prompts, max_tokens)}
 
 
-def write_md(res: dict, path: str) -> None:
-    lines = ["# Speculative core benchmark (greedy, batch 1)", "",
-             f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, torch {res['machine']['torch']}, "
-             f"{res['machine']['threads']} threads. Mean acceptance length tau includes the bonus token.", ""]
+def render(res: dict) -> str:
+    lines = ["Mean acceptance length tau includes the bonus token.", ""]
     for part in res["parts"]:
         cats = sorted(next(iter(part["per_category"].values())))
         lines += [f"## {part['model']}" + (f" (draft {part['draft']})" if "draft" in part else "")
@@ -142,12 +137,10 @@ def write_md(res: dict, path: str) -> None:
             if o["acceptance_rate_per_pos"]:
                 lines.append(f"- {n}: " + ", ".join(f"{x:.2f}" for x in o["acceptance_rate_per_pos"]))
         lines.append("")
-    notes = path.removesuffix(".md") + ".analysis.md"       # hand-written reading of the numbers
-    if os.path.exists(notes):
-        lines += ["## Analysis", "", open(notes).read()]
-    with open(path + ".tmp", "w") as f:
-        f.write("\n".join(lines))
-    os.replace(path + ".tmp", path)
+    return "\n".join(lines)
+
+
+OUT = harness.Output("spec_core", "Speculative core benchmark (greedy, batch 1)", render, analysis=True)
 
 
 def main() -> None:
@@ -156,11 +149,11 @@ def main() -> None:
     ap.add_argument("--weights", default="fp16,dense", help="weight formats to run each part with")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--qwen-prompts", type=int, default=4)
-    args = parse_result_args(ap, "spec_core", write_md)
+    args = OUT.parse(ap)
     if args is None:
         return
     torch.set_num_threads(os.cpu_count() or 1)
-    res = {"machine": machine_info(), "max_tokens": args.max_tokens, "parts": []}
+    res = {"machine": harness.machine_record(), "max_tokens": args.max_tokens, "parts": []}
     if os.path.exists(args.out + ".json"):     # parts not rerun now are kept (same machine and settings)
         with open(args.out + ".json") as f:
             old = json.load(f)
@@ -171,7 +164,7 @@ def main() -> None:
             merge_part(res, part_a(args.max_tokens, weights))
         if "b" in args.part:
             merge_part(res, part_b(args.max_tokens, args.qwen_prompts, weights))
-        write_results(res, args.out)           # after every part: an interrupted run keeps what it did
+        OUT.write(res, args.out)               # after every part: an interrupted run keeps what it did
 
 
 def merge_part(res: dict, part: dict) -> None:
@@ -180,10 +173,6 @@ def merge_part(res: dict, part: dict) -> None:
     key = (part["model"], part["weights"])
     parts = [p for p in res["parts"] if (p["model"], p["weights"]) != key] + [part]
     res["parts"] = sorted(parts, key=lambda p: (p["weights"] != "fp16", p["model"] != "smollm2-135m"))
-
-
-def write_results(res: dict, out: str) -> None:
-    write_result(res, out, write_md)
 
 
 if __name__ == "__main__":

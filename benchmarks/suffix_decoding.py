@@ -22,17 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads: shared cores
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info, parse_result_args, write_result  # noqa: E402
-
 from verispec import LLM, SamplingParams  # noqa: E402
+from verispec.bench import harness  # noqa: E402
 from verispec.data import per_category, spec_bench_questions  # noqa: E402
 from verispec.models.loading import load_model  # noqa: E402
 
@@ -153,13 +150,9 @@ def summarize(rows: list[dict], names: list[str]) -> dict:
 WORKLOADS = {"repetitive": (repetitive_prompts, 128), "spec_bench": (spec_bench_prompts, 64)}
 
 
-def write_md(res: dict, path: str) -> None:
-    m = res["machine"]
-    lines = ["# Suffix decoding vs ngram vs vanilla (greedy, batch 1)", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['threads']} threads, load average "
-             f"{m['load_avg_at_start']:.1f} at the start and {res.get('load_avg_at_end', float('nan')):.1f} at the end "
-             f"(a shared machine; not niced). {res['model']}, {res['weights']} weights. Measured {res['measured_at']}, "
-             f"{res['total_minutes']:.1f} min in all. Written by `benchmarks/suffix_decoding.py`.", "",
+def render(res: dict) -> str:
+    lines = [f"Load average {res.get('load_avg_at_end', float('nan')):.1f} at the end (a shared machine; not niced). "
+             f"{res['model']}, {res['weights']} weights, {res['total_minutes']:.1f} min in all.", "",
              "tau = mean acceptance length per drafted step (bonus included); tokens/step = output tokens per "
              "decode step, all steps (the first token comes from the prefill); nodes/draft = mean tree size of drafted steps; drafted = share of "
              "steps with a draft; draft ms = drafter time per step.", "",
@@ -182,12 +175,11 @@ def write_md(res: dict, path: str) -> None:
             lines.append(f"| {n} | {f['speedup']:.2f}x | {f['tau']:.2f} | {f['tokens_per_step']:.2f} | "
                          f"{la['speedup']:.2f}x | {la['tau']:.2f} | {la['tokens_per_step']:.2f} |")
         lines.append("")
-    notes = path.removesuffix(".md") + ".analysis.md"       # hand-written reading of the numbers
-    if os.path.exists(notes):
-        lines += ["## Analysis", "", open(notes).read()]
-    with open(path + ".tmp", "w") as f:
-        f.write("\n".join(lines))
-    os.replace(path + ".tmp", path)
+    return "\n".join(lines)
+
+
+OUT = harness.Output("suffix_decoding", "Suffix decoding vs ngram vs vanilla (greedy, batch 1)", render,
+                     analysis=True, legacy_command=lambda res: "python benchmarks/suffix_decoding.py")
 
 
 def main() -> None:
@@ -196,13 +188,13 @@ def main() -> None:
     ap.add_argument("--methods", default="ngram,suffix,suffix_k8")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--limit", type=int, help="first N requests of each workload (a smoke run, not committed)")
-    args = parse_result_args(ap, "suffix_decoding", write_md)
+    args = OUT.parse(ap)
     if args is None:
         return
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    res = {"machine": machine_info(), "model": "smollm2-135m", "weights": "fp16", "configs": CONFIGS,
-           "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "workloads": {}}
+    res = {"machine": harness.machine_record(), "model": "smollm2-135m", "weights": "fp16", "configs": CONFIGS,
+           "workloads": {}}
     target = load_model("smollm2-135m", weights="fp16")
     for w in args.workloads.split(","):
         make, max_tokens = WORKLOADS[w]
@@ -210,7 +202,7 @@ def main() -> None:
                                **run(target, make(target.tokenizer)[:args.limit], max_tokens, args.methods.split(","))}
         res["load_avg_at_end"] = os.getloadavg()[0]
         res["total_minutes"] = (time.perf_counter() - t0) / 60
-        write_result(res, args.out, write_md)      # after every workload: an interrupted run keeps what it did
+        OUT.write(res, args.out)                   # after every workload: an interrupted run keeps what it did
 
 
 if __name__ == "__main__":

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info, parse_result_args, write_result  # noqa: E402
+from verispec.bench import harness
 
 
 def measure(repetitive: bool, steps: int = 200) -> dict:
@@ -48,28 +45,23 @@ def measure(repetitive: bool, steps: int = 200) -> dict:
             "step_p90_us": 1e6 * times[int(steps * 0.9)], "mean_tree_nodes": sum(nodes) / steps}
 
 
-def write_md(res: dict, path: str) -> None:
-    m = res["machine"]
-    lines = ["# Suffix drafter: cost per step outside the model", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, load {m['load_avg_at_start']:.1f} at start. "
-             "Command: `python benchmarks/suffix_step_cost.py`.", "",
-             "| context (2000-token prompt) | start ms | propose+accept median us | p90 us | tree nodes |",
+def render(res: dict) -> str:
+    lines = ["| context (2000-token prompt) | start ms | propose+accept median us | p90 us | tree nodes |",
              "|---|---:|---:|---:|---:|"]
     for name, r in res["runs"].items():
         lines.append(f"| {name} | {r['start_ms']:.2f} | {r['step_median_us']:.1f} | {r['step_p90_us']:.1f} | "
                      f"{r['mean_tree_nodes']:.1f} |")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
+OUT = harness.Output("suffix_step_cost", "Suffix drafter: cost per step outside the model", render,
+                     legacy_command=lambda res: "python benchmarks/suffix_step_cost.py")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    args = parse_result_args(ap, "suffix_step_cost", write_md)
-    if args is None:
-        return
-    res = {"machine": machine_info(), "runs": {"repetitive": measure(True), "random (no match)": measure(False)}}
-    write_result(res, args.out, write_md)
-    print(open(args.out + ".md").read())
+    OUT.main(ap, lambda args: {"machine": harness.machine_record(),
+                               "runs": {"repetitive": measure(True), "random (no match)": measure(False)}})
 
 
 if __name__ == "__main__":

@@ -23,8 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_info, write_result  # noqa: E402
+from verispec.bench import harness
 
 VERISPEC = [sys.executable, "-m", "verispec.cli"]
 
@@ -48,13 +47,17 @@ def _rates(run: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", nargs="+", required=True)
+    ap.add_argument("--data", nargs="+", help="regenerated conversations (JSONL; required to measure)")
     ap.add_argument("--limit", type=int, default=48)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--head", default="checkpoints/smollm2-135m-eagle3")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "train_throughput"))
-    args = ap.parse_args(argv)
+    ap.add_argument("--head", default=HEAD)
+    args = OUT.parse(ap, argv)
+    if args is None:
+        return 0
+    if not args.data:
+        ap.error("--data is required")
+    machine = harness.machine_record()
     tmp = Path(tempfile.mkdtemp(prefix="verispec-tt-"))
     common = ["--data", *args.data, "--limit", str(args.limit), "--max-length", "512", "--heldout-fraction", "0.05",
               "--threads", str(args.threads)]
@@ -74,28 +77,36 @@ def main(argv: list[str] | None = None) -> int:
     tokens = meta.get("train_tokens") or 0
     feat_rate = tokens / t_feat if t_feat else 0.0
     ratio = rows["cache"]["loss_tokens_per_s"] / rows["online"]["loss_tokens_per_s"]
-    result = {"machine": machine_info(), "threads": args.threads, "data": args.data, "limit": args.limit,
+    result = {"machine": machine, "threads": args.threads, "data": args.data, "limit": args.limit,
+              "head": args.head, "steps": args.steps,
               "train_sequences": meta.get("train_sequences"), "train_tokens": tokens,
               "feature_pass_s": t_feat, "feature_pass_tokens_per_s": feat_rate, "feature_layers": index.get("layers"),
               "cache_bytes": cache_bytes, "cache_bytes_per_token": cache_bytes / max(tokens, 1),
               "online": rows["online"], "cache": rows["cache"], "speedup_with_cache": ratio}
     shutil.rmtree(tmp, ignore_errors=True)
-    md = ["# EAGLE-3 training throughput, with and without the feature cache", "",
-          f"Machine: {result['machine'].get('cpu', '?')}, {args.threads} threads; head warm-started from "
-          f"`{args.head}`; TTT 5, bf16 autocast, 4 sequences of at most 512 tokens per step; {args.steps} steps, "
-          "the first left out.", "",
-          "| run | seconds per step | loss tokens/s |", "|---|---|---|",
-          f"| online (target forward in every step) | {rows['online']['seconds_per_step']:.2f} | "
-          f"{rows['online']['loss_tokens_per_s']:.1f} |",
-          f"| feature cache | {rows['cache']['seconds_per_step']:.2f} | {rows['cache']['loss_tokens_per_s']:.1f} |", "",
-          f"Cache: {tokens} sequence tokens written in {t_feat:.1f} s ({feat_rate:.0f} tokens/s, process start "
-          f"and model load included), {cache_bytes / 2**20:.1f} MiB ({result['cache_bytes_per_token']:.0f} bytes "
-          f"per token, fp16). Training reads it {ratio:.2f}x as fast as it runs the target itself.", "",
-          f"Command: `python benchmarks/train_throughput.py --data {' '.join(args.data)} --limit {args.limit}`.", ""]
-    text = "\n".join(md)
-    write_result(result, args.out, lambda _r, path: Path(path).write_text(text))
-    print("\n".join(md))
+    print(OUT.write(result, args.out).read_text())
     return 0
+
+
+def render(r: dict) -> str:
+    online, cache = r["online"], r["cache"]
+    return "\n".join([
+        f"Training with {r['threads']} thread(s); head warm-started from `{r.get('head', HEAD)}`; TTT 5, bf16 "
+        f"autocast, 4 sequences of at most 512 tokens per step; {r.get('steps', 6)} steps, the first left out.", "",
+        "| run | seconds per step | loss tokens/s |", "|---|---|---|",
+        f"| online (target forward in every step) | {online['seconds_per_step']:.2f} | "
+        f"{online['loss_tokens_per_s']:.1f} |",
+        f"| feature cache | {cache['seconds_per_step']:.2f} | {cache['loss_tokens_per_s']:.1f} |", "",
+        f"Cache: {r['train_tokens']} sequence tokens written in {r['feature_pass_s']:.1f} s "
+        f"({r['feature_pass_tokens_per_s']:.0f} tokens/s, process start and model load included), "
+        f"{r['cache_bytes'] / 2**20:.1f} MiB ({r['cache_bytes_per_token']:.0f} bytes per token, fp16). Training "
+        f"reads it {r['speedup_with_cache']:.2f}x as fast as it runs the target itself."])
+
+
+HEAD = "checkpoints/smollm2-135m-eagle3"
+OUT = harness.Output("train_throughput", "EAGLE-3 training throughput, with and without the feature cache", render,
+                     legacy_command=lambda r: f"python benchmarks/train_throughput.py --data {' '.join(r['data'])} "
+                                              f"--limit {r['limit']}")
 
 
 if __name__ == "__main__":

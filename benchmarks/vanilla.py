@@ -10,19 +10,14 @@ divided by the measured copy bandwidth, over the measured time per token.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_info  # noqa: E402
-
-from verispec import LLM, SamplingParams  # noqa: E402
-from verispec.data import per_category, spec_bench_questions  # noqa: E402
-from verispec.models.loading import load_model  # noqa: E402
+from verispec import LLM, SamplingParams
+from verispec.bench import harness
+from verispec.data import per_category, spec_bench_questions
+from verispec.models.loading import load_model
 
 
 def copy_bandwidth_gbs() -> float:
@@ -81,14 +76,15 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "vanilla"))
-    args = ap.parse_args()
+    args = OUT.parse(ap)
+    if args is None:
+        return
     qs = per_category(spec_bench_questions(), args.per_category)
     tok = load_model("smollm2-135m").tokenizer
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False).input_ids for q in qs]
     bw = copy_bandwidth_gbs()
-    results = {"machine": machine_info(), "copy_bandwidth_GBps": bw, "max_tokens": args.max_tokens,
+    results = {"machine": harness.machine_record(), "copy_bandwidth_GBps": bw, "max_tokens": args.max_tokens,
                "per_category": args.per_category,
                "num_prompts": len(prompts), "dtypes": []}
     for dtype in args.dtypes.split(","):
@@ -99,18 +95,11 @@ def main() -> None:
         results["dtypes"].append(r)
         print(f"{dtype}: verispec {r['verispec_tokens_per_s']:.2f} tok/s, HF {r['hf_tokens_per_s']:.2f} tok/s, "
               f"x{r['speedup_vs_hf']:.2f}; {100 * r['fraction_of_bandwidth_floor']:.0f}% of the bandwidth floor")
-        write(results, args.out)           # after each dtype: a stopped run keeps what it measured
+        OUT.write(results, args.out)       # after each dtype: a stopped run keeps what it measured
 
 
-def write(results: dict, out: str) -> None:
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".json.tmp", "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(out + ".json.tmp", out + ".json")
-    m = results["machine"]
-    lines = ["# verispec vanilla vs HF generate (greedy, batch 1)", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['threads']} threads; "
-             f"copy bandwidth {results['copy_bandwidth_GBps']:.1f} GB/s (read+write). "
+def render(results: dict) -> str:
+    lines = [f"Copy bandwidth {results['copy_bandwidth_GBps']:.1f} GB/s (read+write). "
              f"{results['num_prompts']} Spec-Bench prompts ({results.get('per_category', '?')} per category), "
              f"{results['max_tokens']} new tokens, "
              "interleaved per prompt.", "",
@@ -120,9 +109,12 @@ def write(results: dict, out: str) -> None:
         lines.append(f"| {r['dtype']} | {r['verispec_tokens_per_s']:.2f} | {r['hf_tokens_per_s']:.2f} | "
                      f"{r['speedup_vs_hf']:.2f}x | {r['bandwidth_floor_tokens_per_s']:.1f} | "
                      f"{100 * r['fraction_of_bandwidth_floor']:.0f}% |")
-    with open(out + ".md.tmp", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(out + ".md.tmp", out + ".md")
+    if results.get("notes"):                    # hand-written, added to the JSON after the run
+        lines += ["", results["notes"]]
+    return "\n".join(lines)
+
+
+OUT = harness.Output("vanilla", "verispec vanilla vs HF generate (greedy, batch 1)", render)
 
 
 if __name__ == "__main__":

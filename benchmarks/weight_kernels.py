@@ -35,13 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-HERE = Path(__file__).resolve().parent
+from verispec.bench import harness
+
 ROWS = (1, 2, 4, 8)
 RATIO_ROWS = (4, 8, 64, 177)      # T whose time over T=1's the table shows, where measured
 SHAPES = {   # (out, in) per matrix of one forward
@@ -181,27 +181,25 @@ def _mem_bytes() -> int:
 
 
 def _time(mods: dict, shapes, reps: int, rows=ROWS) -> dict:
-    best = {name: {t: float("inf") for t in rows} for name in mods}
     xs = {t: {k: torch.randn(t, k) for _, k in shapes} for t in rows}
+
+    def forward(ms, x):
+        def call():
+            for m, (_, k) in zip(ms, shapes):
+                m(x[k])
+        return call
+    calls = {(name, t): forward(ms, xs[t]) for t in rows for name, ms in mods.items()}
     with torch.no_grad():
-        for rep in range(reps + 1):
-            for t in rows:
-                for name, ms in mods.items():
-                    s = time.perf_counter()
-                    for m, (_, k) in zip(ms, shapes):
-                        m(xs[t][k])
-                    took = (time.perf_counter() - s) * 1e3
-                    if rep:                                  # the first round warms up
-                        best[name][t] = min(best[name][t], took)
-    return best
+        times = harness.interleave(calls, reps + 1)          # every (T, kernel) once per round, in turns
+    return {name: {t: 1e3 * min(times[name, t][1:]) for t in rows} for name in mods}   # round 0 warms up
 
 
-def report(res: dict, machine: str, reps: int) -> str:
-    lines = ["# Weight kernels on this CPU: all matmuls of one forward", "",
-             f"Machine: {machine}. {torch.get_num_threads()} threads, torch {torch.__version__}; random "
-             f"weights of the real shapes, fastest of {reps} repetitions with the kernels timed in turns. "
-             "Kernels only (no attention, norms or other ops); quality is measured separately.", ""]
-    for model, r in res.items():
+def report(doc: dict) -> str:
+    lines = [f"{doc['threads']} threads; random weights of the real shapes, fastest of {doc['reps']} repetitions "
+             "with the kernels timed in turns. Kernels only (no attention, norms or other ops); quality is "
+             "measured separately.", ""]
+    for model, r in doc["results"].items():
+        r = _int_keys(r)                                       # JSON made the T keys strings
         ms, rows = r["ms"], r.get("rows", list(ROWS))
         ratios = [t for t in rows[1:] if t in RATIO_ROWS]
         base_name = "fp16-packed" if "fp16-packed" in ms else next(iter(ms))
@@ -229,12 +227,14 @@ def main() -> None:
     ap.add_argument("--model", choices=("smollm2-135m", "qwen1.5b", "both"), default="smollm2-135m")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(HERE / "results" / "weight_kernels"))
     ap.add_argument("--keep", action="store_true", help="keep the other models' rows of an earlier run")
     ap.add_argument("--kernels", default=",".join(KERNELS), help="which kernels (comma-separated; default all)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="token counts T (comma-separated; 1 first)")
-    a = ap.parse_args()
+    a = OUT.parse(ap)
+    if a is None:
+        return
     torch.set_num_threads(a.threads)
+    machine = harness.machine_record()
     models = list(SHAPES) if a.model == "both" else [a.model]
     out = Path(a.out + ".json")
     res = {m: _int_keys(r) for m, r in json.loads(out.read_text())["results"].items()} if a.keep and out.exists() else {}
@@ -248,13 +248,10 @@ def main() -> None:
             raise SystemExit("--rows must start with 1 (the ratios are to T=1)")
         res[m] = measure(SHAPES[m], a.reps, kernels, rows)
         print(m, json.dumps({k: {t: round(v, 1) for t, v in d.items()} for k, d in res[m]["ms"].items()}), flush=True)
-    from machine import machine_line          # benchmarks/ (this script's folder)
-    machine = machine_line(with_isa=True)
-    Path(a.out + ".json").write_text(json.dumps({"machine": machine, "reps": a.reps, "threads": a.threads,
-                                                  "results": res}, indent=1))
-    md = report(res, machine, a.reps)
-    Path(a.out + ".md").write_text(md + "\n")
-    print(md)
+    print(OUT.write({"machine": machine, "reps": a.reps, "threads": a.threads, "results": res}, a.out).read_text())
+
+
+OUT = harness.Output("weight_kernels", "Weight kernels on this CPU: all matmuls of one forward", report)
 
 
 if __name__ == "__main__":

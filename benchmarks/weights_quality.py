@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_info, machine_line, run_per_model  # noqa: E402
+from verispec.bench import harness
 
 
 def heldout_examples(tokenizer, conversations: int, max_length: int):
@@ -141,10 +140,9 @@ def earlier_run(args) -> tuple[dict, dict | None] | None:
 
 
 def write_reference(args, argmaxes, outs, eos) -> None:
-    import json
-    Path(args.out + ".reference.json").write_text(json.dumps(
-        {"settings": {k: getattr(args, k) for k in MEASURE}, "argmax": [a.tolist() for a in argmaxes],
-         "outputs": outs, "eos": list(eos)}))
+    ref = {"settings": {k: getattr(args, k) for k in MEASURE}, "argmax": [a.tolist() for a in argmaxes],
+           "outputs": outs, "eos": list(eos)}
+    harness.write_json(args.out + ".reference.json", ref, indent=None)
 
 
 def run(args) -> dict:
@@ -152,7 +150,8 @@ def run(args) -> dict:
     from verispec.models.loading import load_model, load_tokenizer
     from verispec.models.sources import resolve_model
     torch.set_num_threads(args.threads)
-    res = {"machine": machine_info(), "model": args.model, "options": {}, "settings": vars(args).copy()}
+    res = {"machine": harness.machine_record(), "model": args.model, "options": {},
+           "settings": harness.settings(args)}
     src = resolve_model(args.model)
     tok = load_tokenizer(src.path, src.format)
     examples = heldout_examples(tok, args.conversations, args.max_length)
@@ -193,15 +192,12 @@ def run(args) -> dict:
             gc.collect()
         res["options"][weights] = dict(ppl, **agreement(outs, ref_out), seconds=time.perf_counter() - t0)
         print(weights, res["options"][weights], flush=True)
-    res["machine_line"] = machine_line(with_isa=True)
     return res
 
 
-def write_md(res: dict, path: str) -> None:
+def render(res: dict) -> str:
     s = res["settings"]
-    lines = [f"# Quality cost of the CPU weights options: {res['model']}", "",
-             f"Machine: {res.get('machine_line', res['machine']['cpu'])}; torch {res['machine']['torch']}, "
-             f"{s['threads']} threads. Reference: the fp32 model as loaded (`dense`).", "",
+    lines = [f"{s['threads']} threads. Reference: the fp32 model as loaded (`dense`).", "",
              f"- Perplexity: {s['conversations']} held-out ShareGPT conversations (the heads' held-out split), "
              f"at most {s['max_length']} tokens each, loss on assistant tokens, fed in chunks of {s['chunk']} "
              "tokens through the KV cache (the decode/verify kernels).",
@@ -219,9 +215,17 @@ def write_md(res: dict, path: str) -> None:
     if res.get("merged"):
         lines += ["", f"Rows kept from the earlier run against the same fp32 reference (`--merge`): "
                   f"{', '.join(res['merged'])}."]
-    lines += ["", f"Command: `python benchmarks/weights_quality.py --model {res['model']} --weights {s['weights']}"
-              f"{' --merge' if s.get('merge') else ''}`", ""]
-    Path(path).write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def legacy_command(res: dict) -> str:
+    s = res["settings"]
+    return (f"python benchmarks/weights_quality.py --model {res['model']} --weights {s['weights']}"
+            f"{' --merge' if s.get('merge') else ''}")
+
+
+OUT = harness.Output("weights_quality", lambda res: f"Quality cost of the CPU weights options: {res['model']}",
+                     render, model="smollm2-135m", legacy_command=legacy_command)
 
 
 def main() -> None:
@@ -235,7 +239,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--merge", action="store_true",
                     help="keep the earlier run's rows and fp32 reference (same settings); measure only --weights")
-    run_per_model(ap, "weights_quality", run, write_md)
+    OUT.main(ap, run)
 
 
 if __name__ == "__main__":
