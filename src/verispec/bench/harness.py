@@ -98,8 +98,8 @@ def machine_record(argv: list[str] | None = None) -> dict:
 
 def machine_line(record: dict | str) -> str:
     """One line for a Markdown header: "CPU (ISA), N cores, torch V, T threads, load L at the
-    start". Also reads the records of older results (``cpu_model``/``logical_cores``,
-    ``load_avg_at_start``; a plain string is returned as it is)."""
+    start". Also reads the records of older results and of ``verispec bench`` (``cpu_model``,
+    ``logical_cores``, other names of the load; a plain string is returned as it is)."""
     if isinstance(record, str):
         return record
     cpu = record.get("cpu") or record.get("cpu_model") or "unknown CPU"
@@ -111,7 +111,8 @@ def machine_line(record: dict | str) -> str:
         parts.append(f"torch {record['torch']}")
     if record.get("threads"):
         parts.append(f"{record['threads']} thread{'s' if record['threads'] != 1 else ''}")
-    load = record.get("load_avg", record.get("load_avg_at_start"))
+    load = next((record[k] for k in ("load_avg", "load_avg_at_start", "load_average_at_start", "loadavg_start")
+                 if record.get(k) is not None), None)
     if isinstance(load, list):
         load = load[0]
     if load is not None:
@@ -170,10 +171,13 @@ class Output:
                         help="rewrite the Markdown from the saved JSON (no measuring)")
 
     def parse(self, ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace | None:
-        """Add the standard options to ``ap`` and parse ``argv``. With ``--rerender`` rewrite
-        ``<out>.md`` from ``<out>.json`` and return None; else return the parsed options."""
+        """Add the standard options to ``ap`` and parse ``argv`` (an ``--out`` naming a folder
+        means ``<folder>/<name>``). With ``--rerender`` rewrite ``<out>.md`` from ``<out>.json``
+        and return None; else return the parsed options."""
         self.add_options(ap, argv)
         args = ap.parse_args(argv)
+        if Path(args.out).is_dir():
+            args.out = str(Path(args.out) / self.name)
         if not args.rerender:
             return args
         print("wrote", self.rerender(args.out))
@@ -226,13 +230,17 @@ def write_json(path: str | Path, obj: Any, indent: int | None = 1) -> None:
     atomic_write(Path(path), json.dumps(obj, indent=indent) + "\n")
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path`` (folders made as needed), then rename it
-    over ``path``: a reader never sees half a file."""
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write ``data`` (text or bytes) to a temporary file beside ``path`` (folders made as
+    needed), flush it to disk, then rename it over ``path``: a reader never sees half a file.
+    Every result file goes through here (``verispec bench``'s report too)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text)
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -278,7 +286,8 @@ def run_trees(script: str, srcs: list[str], labels: list[str], rounds: int, args
     """Before/after runs of one benchmark over several verispec source trees: per round, one
     worker subprocess per tree in turn (``PYTHONPATH`` = the tree's ``src``), each
     ``script --worker *args`` printing its result as JSON on its last line. Returns
-    ``{label: [worker JSON per round]}``."""
+    ``{label: [worker JSON per round]}``. The worker runs on the tree's own verispec, which may
+    predate this module: its code path must not import the harness."""
     if len(srcs) != len(labels):
         raise SystemExit(f"{len(srcs)} --src but {len(labels)} --label")
     runs: dict[str, list[dict]] = {lab: [] for lab in labels}

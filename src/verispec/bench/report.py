@@ -5,7 +5,7 @@
   (as Spec-Bench does); speedups divide by vanilla's (and plain HF's) tokens/s on the same
   questions, batch size and run.
 * ``write_report(out_dir, results)``: renders every file in memory first, then writes each one
-  atomically (temporary file in the same folder, then ``os.replace``): an interrupted run or a
+  atomically (``harness.atomic_write``: a temporary file beside it, then a rename): an interrupted run or a
   failing render leaves the previous files (or none), never a half-written one.
 
 Plots (matplotlib, Agg canvas, no display needed): ``speedup_per_category.png``,
@@ -16,12 +16,13 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
+import os  # noqa: F401  (tests patch report.os.replace: the rename harness.atomic_write makes)
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..core.metrics import SpecStats
+from .harness import atomic_write
 from .records import BenchResult, RunRecord
 
 OVERALL = "overall"
@@ -349,11 +350,13 @@ def _summary_lines(results: list[BenchResult], summaries: list[list[Summary]]) -
     return out + [""]
 
 
-def render_markdown(results: list[BenchResult], summaries: list[list[Summary]], analysis: str = "") -> str:
-    """report.md; ``analysis``: hand-written Markdown placed under the generated summary."""
+def render_markdown(results: list[BenchResult], summaries: list[list[Summary]], analysis: str = "",
+                    created: time.struct_time | None = None) -> str:
+    """report.md; ``analysis``: hand-written Markdown placed under the generated summary;
+    ``created``: when the run was written (default now; a rerender keeps the run's date)."""
     machine = results[0].machine
     title = f"# Spec-Bench-style benchmark: `{results[0].config['model']}`"
-    out = [title, "", f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
+    out = [title, "", f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', created or time.gmtime())}.", ""]
     out += _summary_lines(results, summaries)
     if analysis.strip():
         out += ["## Analysis", "", analysis.strip(), ""]
@@ -476,12 +479,22 @@ def _clean(v):
     return v
 
 
-def results_json(results: list[BenchResult], summaries: list[list[Summary]]) -> bytes:
-    doc = {"schema": "verispec.bench/1", "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+def results_json(results: list[BenchResult], summaries: list[list[Summary]],
+                 created: time.struct_time | None = None) -> bytes:
+    doc = {"schema": "verispec.bench/1", "created_utc": time.strftime(CREATED, created or time.gmtime()),
            "suites": [dict(r.as_dict(), summary=[dict(asdict(s), identical_share=s.identical_share) for s in ss],
                            stops_paying=stops_paying(r, ss))
                       for r, ss in zip(results, summaries)]}
     return json.dumps(_clean(doc), indent=1, allow_nan=False).encode()
+
+
+CREATED = "%Y-%m-%dT%H:%M:%SZ"          # results.json's created_utc
+
+
+def created_utc(path: str | Path) -> time.struct_time | None:
+    """When a saved results.json was written (its ``created_utc``), for a rerender to keep."""
+    stamp = json.loads(Path(path).read_text()).get("created_utc")
+    return time.strptime(stamp, CREATED) if stamp else None
 
 
 def load_results(path: str | Path) -> list[BenchResult]:
@@ -498,29 +511,17 @@ def load_results(path: str | Path) -> list[BenchResult]:
     return out
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file next to ``path``, then rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_report(out_dir: str | Path, results: list[BenchResult] | BenchResult, analysis: str = "") -> list[Path]:
+def write_report(out_dir: str | Path, results: list[BenchResult] | BenchResult, analysis: str = "",
+                 created: time.struct_time | None = None) -> list[Path]:
     """Write results.json, report.md and the plots of ``results`` (suites) into ``out_dir``.
-    ``analysis``: optional hand-written Markdown for report.md (see ``render_markdown``)."""
+    ``analysis``: optional hand-written Markdown for report.md (see ``render_markdown``);
+    ``created``: the run's time (default now; ``created_utc(results.json)`` for a rerender)."""
     results = [results] if isinstance(results, BenchResult) else list(results)
     if not results:
         raise ValueError("no benchmark results to write")
     summaries = [summarize(r) for r in results]
-    files = {"results.json": results_json(results, summaries),
-             "report.md": render_markdown(results, summaries, analysis).encode()}
+    files = {"results.json": results_json(results, summaries, created),
+             "report.md": render_markdown(results, summaries, analysis, created).encode()}
     files.update(render_plots(results, summaries))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,14 @@
-"""The command-line body shared by the committed benchmark scripts in ``benchmarks/``."""
+"""The command-line body of the Spec-Bench scripts in ``benchmarks/`` (spec_bench.py,
+trained_heads.py): their result is ``verispec bench``'s report, a folder (results.json, report.md,
+plots) written by ``report.write_report`` through ``harness.atomic_write``, with the harness's
+machine record (``runner.machine_info``)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 from typing import Callable
 
-from .report import headline, load_results, summarize, write_report
+from .report import created_utc, headline, load_results, summarize, write_report
 from .runner import BenchConfig, run_benchmark
 
 
@@ -22,9 +25,9 @@ def suite_main(argv: list[str] | None, suites: Callable[[int], list[BenchConfig]
     ap.add_argument("--rerender", action="store_true",
                     help="rewrite report.md and plots from the existing results.json (no run)")
     args = ap.parse_args(argv)
-    notes = args.out / "analysis.md"
+    notes, created = args.out / "analysis.md", None
     if args.rerender:
-        results = load_results(args.out / "results.json")
+        results, created = load_results(args.out / "results.json"), created_utc(args.out / "results.json")
     else:
         configs = [c for c in suites(args.threads) if not args.suites or c.name in args.suites]
         targets: dict[tuple, object] = {}        # one load per (model, dtype, weights)
@@ -35,7 +38,7 @@ def suite_main(argv: list[str] | None, suites: Callable[[int], list[BenchConfig]
                 targets[key] = load_model(c.model, dtype=c.dtype, weights=c.weights)
             runs.append(run_benchmark(c, loaded=targets[key]))
         results = merge_suites(args.out / "results.json" if args.suites else None, runs)
-    files = write_report(args.out, results, notes.read_text() if notes.is_file() else "")
+    files = write_report(args.out, results, notes.read_text() if notes.is_file() else "", created)
     for r in results:
         print(f"\n{r.name}:\n{headline(r, summarize(r))}")
     print("\nwrote " + ", ".join(str(f) for f in files))
