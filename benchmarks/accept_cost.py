@@ -6,19 +6,17 @@ root), the demo tree of 4 nodes and a chain of 5; batch 1 and 4; greedy and T=0.
 The two are interleaved rep by rep; medians. The per-row loop includes what the engine did per row
 around it (``TreeBatch``'s packing is included on the batched side).
 
-    python benchmarks/accept_cost.py   ->  benchmarks/results/accept_cost.{json,md}
+    python benchmarks/accept_cost.py [--reps 30]  ->  benchmarks/results/accept_cost.{json,md}
 """
 from __future__ import annotations
 
-import json
-import os
-import platform
-import statistics
+import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from verispec.bench import harness
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
@@ -65,8 +63,7 @@ def _batched(trees, logits, params, gens):
     return accept_batch(batch, logits, params, gens).to_host()
 
 
-def main(reps: int = 30) -> None:
-    torch.set_num_threads(2)
+def measure(reps: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     rows = []
     for shape in ("chain5", "demo4", "dynamic60"):
@@ -75,27 +72,43 @@ def main(reps: int = 30) -> None:
                 trees = [_tree(shape, g, temp > 0) for _ in range(batch)]
                 logits = torch.randn(batch, max(len(t) for t in trees) + 1, V, generator=g) * 3
                 params = [SamplingParams(temperature=temp)] * batch
-                times = {"sequential": [], "batched": []}
-                for r in range(reps):
-                    for name, fn in (("sequential", _sequential), ("batched", _batched))[::(1 if r % 2 else -1)]:
-                        gens = [torch.Generator().manual_seed(r * 10 + k) for k in range(batch)]
-                        t0 = time.perf_counter()
-                        fn(trees, logits, params, gens)
-                        times[name].append(time.perf_counter() - t0)
-                seq, bat = (1e3 * statistics.median(times[k]) for k in ("sequential", "batched"))
+
+                def call(fn, trees=trees, logits=logits, params=params, batch=batch):
+                    gens = iter([[torch.Generator().manual_seed(r * 10 + k) for k in range(batch)]
+                                 for r in range(reps)])          # made before timing: round r's seeds
+                    return lambda: fn(trees, logits, params, next(gens))
+                times = harness.interleave({"sequential": call(_sequential), "batched": call(_batched)}, reps,
+                                           alternate=True)
+                med = harness.medians(times, 1e3)
+                seq, bat = med["sequential"], med["batched"]
                 rows.append({"tree": shape, "batch": batch, "temperature": temp, "sequential_ms": seq,
                              "batched_ms": bat, "ratio": seq / bat})
                 print(rows[-1], flush=True)
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
-    out = HERE / "results" / "accept_cost"
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "reps": reps, "rows": rows}, indent=1))
-    lines = ["# Acceptance per step: sequential per-node loop vs batched", "",
-             f"Machine: {machine} (shared with a test run). V = {V}, {reps} interleaved reps, median ms.", "",
+    return rows
+
+
+def render(res: dict) -> str:
+    rows = res["rows"]
+    lines = [f"V = {V}, {res['reps']} interleaved reps, median ms.", "",
              "| tree | batch | T | sequential ms | batched ms | speed-up |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['tree']} | {r['batch']} | {r['temperature']} | {r['sequential_ms']:.2f} | "
               f"{r['batched_ms']:.2f} | {r['ratio']:.2f}x |" for r in rows]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+OUT = harness.Output("accept_cost", "Acceptance per step: sequential per-node loop vs batched", render)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=30)
+    args = OUT.parse(ap)
+    if args is None:
+        return
+    torch.set_num_threads(2)
+    res = {"machine": harness.machine_record(), "reps": args.reps}
+    res["rows"] = measure(args.reps)
+    print(OUT.write(res, args.out).read_text())
 
 
 if __name__ == "__main__":

@@ -9,12 +9,17 @@ of drafted steps that accepted one of them), depths 2-4 = conditional top-1 rate
 shape model may branch at depth 1 only.
 
     python benchmarks/engine_profile.py --data <regenerated shards> --folder checkpoints/smollm2-135m-eagle
+
+Its result is the head's ``acceptance.json`` (``AcceptanceProfile.save``), not a file in
+benchmarks/results; the profile's source line ends with the harness's machine line.
 """
 from __future__ import annotations
 
 import argparse
 
 import torch
+
+from verispec.bench import harness
 
 
 def main() -> None:
@@ -29,6 +34,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=1200)
     a = ap.parse_args()
     torch.set_num_threads(2)
+    machine = harness.machine_line(harness.machine_record())
     target = load_model("smollm2-135m", weights="fp16")
     tok = target.tokenizer
     convs = []
@@ -57,7 +63,7 @@ def main() -> None:
     path = prof.save(a.folder, source=f"measured in the engine (benchmarks/engine_profile.py: fp16-packed, greedy, "
                      f"64 tokens, {len(prompts)} held-out on-policy prompts): depth 1 cumulative hits of 1-4 "
                      f"siblings {[round(h, 4) for h in hits1]}, depths 2-4 conditional top-1 of a chain of 4 "
-                     f"{[round(c, 4) for c in cond]}")
+                     f"{[round(c, 4) for c in cond]}; {machine}")
     print(path.read_text())
 
 

@@ -17,13 +17,12 @@ Results: ``benchmarks/results/head_vocab.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import time
 from pathlib import Path
 
 import torch
+
+from verispec.bench import harness
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent / "checkpoints"
@@ -93,33 +92,30 @@ def costs(target, reps: int, rounds: int) -> dict:
         e3.pack_("fp16", target.model.lm_head)
         md.pack_("fp16", target.model.lm_head)
         made["cut" if cut else "full"] = (e3, md)
-    out = {k: {"eagle3_vocab": e3.lm_head.out_features,
-               "medusa_vocab": md.vocab_ids.numel() if md.vocab_ids is not None else md.cfg.vocab_size,
-               "eagle3_fixed_ms": [], "eagle3_level_ms": [], "medusa_ms": []} for k, (e3, md) in made.items()}
-    for _ in range(rounds):
-        for k, (e3, md) in made.items():
-            fixed, levels, _ = draft_costs(e3, reps=reps)
-            out[k]["eagle3_fixed_ms"].append(fixed)
-            out[k]["eagle3_level_ms"].append(dict(levels))
-            out[k]["medusa_ms"].append(draft_cost(md, reps=reps))
-    for k, r in out.items():
-        r["eagle3_fixed_ms"] = round(min(r["eagle3_fixed_ms"]), 3)
-        r["eagle3_level_ms"] = {w: round(min(d[w] for d in r["eagle3_level_ms"]), 3) for w in r["eagle3_level_ms"][0]}
-        r["medusa_ms"] = round(min(r["medusa_ms"]), 3)
+    def both(e3, md):
+        return lambda: (draft_costs(e3, reps=reps), draft_cost(md, reps=reps))
+    runs = harness.interleave({k: both(e3, md) for k, (e3, md) in made.items()}, rounds, timed=False)
+    out = {}
+    for k, (e3, md) in made.items():
+        levels = [dict(e3_costs[1]) for e3_costs, _ in runs[k]]
+        out[k] = {"eagle3_vocab": e3.lm_head.out_features,
+                  "medusa_vocab": md.vocab_ids.numel() if md.vocab_ids is not None else md.cfg.vocab_size,
+                  "eagle3_fixed_ms": round(min(e3_costs[0] for e3_costs, _ in runs[k]), 3),
+                  "eagle3_level_ms": {w: round(min(d[w] for d in levels), 3) for w in levels[0]},
+                  "medusa_ms": round(min(ms for _, ms in runs[k]), 3)}
     return out
 
 
-def write_md(res: dict, path: Path) -> None:
+def render(res: dict) -> str:
     c, a = res["costs"], res["acceptance"]
     lines = [
-        "# Heads over a cut draft vocabulary", "",
-        f"Machine: {res['machine']}. SmolLM2-135M fp16-packed, {res['threads']} threads, batch 1; "
-        f"{res['when']}; load average {res['load']}. Command: `{res['command']}`.", "",
+        f"SmolLM2-135M fp16-packed, {res['threads']} threads, batch 1; load average (1, 5, 15 min) {res['load']} "
+        f"at the start, {res.get('load_end', '?')} at the end.", "",
         "## Drafting cost (fastest of the interleaved timings, ms)", "",
         "| projection | EAGLE-3 ids | EAGLE-3 fixed | EAGLE-3 level w=1 | w=2 | w=4 | w=8 | Medusa ids | Medusa proposal |",
         "|---|---|---|---|---|---|---|---|---|"]
     for k, r in c.items():
-        lv = r["eagle3_level_ms"]
+        lv = {int(w): ms for w, ms in r["eagle3_level_ms"].items()}      # JSON made the keys strings
         lines.append(f"| {k} | {r['eagle3_vocab']} | {r['eagle3_fixed_ms']} | {lv[1]} | {lv[2]} | {lv[4]} | {lv[8]} | "
                      f"{r['medusa_vocab']} | {r['medusa_ms']} |")
     lines += ["", f"## Held-out acceptance ({a['conversations']} held-out on-policy conversations)", "",
@@ -128,32 +124,37 @@ def write_md(res: dict, path: Path) -> None:
               f"| Medusa top-2 per depth | {a['medusa']['full']['top2']} | {a['medusa']['cut']['top2']} |",
               f"| EAGLE-3 chain of 3, accepted tokens per step ({a['eagle3_prompts']} prompts x 64 tokens) | "
               f"{a['eagle3']['full']} | {a['eagle3']['cut']} |", "",
-              f"EAGLE-3 greedy outputs identical with and without the cut: {a['eagle3_same_outputs']}.", ""]
-    path.write_text("\n".join(lines))
+              f"EAGLE-3 greedy outputs identical with and without the cut: {a['eagle3_same_outputs']}."]
+    return "\n".join(lines)
+
+
+OUT = harness.Output("head_vocab", "Heads over a cut draft vocabulary", render)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", nargs="+", required=True, help="on-policy JSONL files (verispec data regenerate)")
+    ap.add_argument("--data", nargs="+", help="on-policy JSONL files (verispec data regenerate; required to measure)")
     ap.add_argument("--limit", type=int, default=1200)
     ap.add_argument("--medusa-sequences", type=int, default=80)
     ap.add_argument("--eagle3-prompts", type=int, default=24)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=str(HERE / "results" / "head_vocab"))
-    a = ap.parse_args()
+    a = OUT.parse(ap)
+    if a is None:
+        return
+    if not a.data:
+        ap.error("--data is required")
     from verispec.models.loading import load_model
     torch.set_num_threads(2)
+    machine = harness.machine_record()
     target = load_model("smollm2-135m", weights="fp16")
     tok = target.tokenizer
     held, examples = heldout(tok, a.data, a.limit, 512)
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": c.messages[0]["content"]}], tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False).input_ids[:256]
                for c in held[:a.eagle3_prompts]]
-    res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": torch.get_num_threads(),
-           "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    res = {"machine": machine, "threads": torch.get_num_threads(),
            "load": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-           "command": "python benchmarks/head_vocab.py --data " + " ".join(a.data),
            "costs": costs(target, a.reps, a.rounds)}
     md_ex = examples[:a.medusa_sequences]
     e3_full = eagle3_acceptance(target, prompts, "full")
@@ -164,11 +165,7 @@ def main() -> None:
         "eagle3": {"full": e3_full["accepted_per_step"], "cut": e3_cut["accepted_per_step"]},
         "eagle3_same_outputs": e3_full["outputs"] == e3_cut["outputs"]}
     res["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    write_md(res, out.with_suffix(".md"))
-    print(out.with_suffix(".md").read_text())
+    print(OUT.write(res, a.out).read_text())
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from verispec.bench import harness
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
 HEAD = ROOT / "checkpoints" / "smollm2-135m-eagle3"
 COMMON = ["--heldout-fraction", "0.05", "--ttt-length", "3", "--max-length", "512", "--micro-batch-size", "4",
           "--target-weights", "int4", "--threads", "2", "--quiet"]
@@ -61,10 +61,8 @@ def arm_result(loss: str) -> dict | None:
             **{f"acc{i}": e[f"acc{i}"] for i in range(3)}}
 
 
-def write(results: dict, out: Path) -> None:
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    lines = ["# EAGLE-3 loss ablation, equal steps", "",
-             f"Machine: {results['machine']}; {results['date']}. {results['workload']}", "",
+def render(results: dict) -> str:
+    lines = [results["workload"], "",
              "| loss | steps | wall time | held-out acc@0 | acc@1 | acc@2 |", "|---|---|---|---|---|---|"]
     b = results["baseline"]
     lines.append(f"| shipped head, before (no training) | 0 | - | {b['acc0']:.3f} | {b['acc1']:.3f} | {b['acc2']:.3f} |")
@@ -72,7 +70,10 @@ def write(results: dict, out: Path) -> None:
         lines.append(f"| `{r['loss']}` | {r['steps']} | {r['wall_s'] / 60:.1f} min | {r['acc0']:.3f} | "
                      f"{r['acc1']:.3f} | {r['acc2']:.3f} |")
     lines += ["", results["reading"]]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
+OUT = harness.Output("loss_ablation", "EAGLE-3 loss ablation, equal steps", render)
 
 
 def main() -> None:
@@ -82,24 +83,24 @@ def main() -> None:
     ap.add_argument("--losses", default="soft,hard,lk")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--reading", default="", help="the conclusion line written under the table")
-    ap.add_argument("--out", default=str(HERE / "results" / "loss_ablation"))
-    a = ap.parse_args()
+    a = OUT.parse(ap)
+    if a is None:
+        return
     losses = a.losses.split(",")
+    machine = harness.machine_record()
     if not a.report_only:
         for loss in losses:
             train_arm(a.data, loss, a.steps)
         eval_baseline(a.data)
-    from machine import machine_line
     base = json.loads((ROOT / "runs" / "eval-shipped" / "eval.json").read_text())
     arms = [r for r in (arm_result(x) for x in losses) if r is not None]
-    results = {"machine": machine_line(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    results = {"machine": machine,
                "workload": (f"SmolLM2-135M int4 target; {a.data}: answers the int4 target wrote itself to ShareGPT "
                             "prompts, 5% held out by id; warm start from the shipped head; TTT 3, batch 8, lr 3e-4 "
                             "(600-step cosine schedule, 3% warm-up), bf16, 2 threads; acc@i = top-1 agreement with "
                             "the target at tree depth i+1 on the held-out split (TTT evaluation)."),
                "baseline": {f"acc{i}": base[f"acc{i}"] for i in range(3)}, "arms": arms, "reading": a.reading}
-    write(results, Path(a.out))
-    print(Path(a.out + ".md").read_text())
+    print(OUT.write(results, a.out).read_text())
 
 
 if __name__ == "__main__":

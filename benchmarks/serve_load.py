@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -37,7 +36,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "src"))
+from verispec.bench import harness  # noqa: E402
+
 TARGETS = {1: 1.8, 4: 1.3, 32: 1.0}
 
 
@@ -194,14 +195,6 @@ def run_configs(configs: dict[str, list[str]], questions: list[dict], args: argp
 
 
 # ---------------------------------------------------------------------------- report
-def machine() -> dict:
-    from verispec.bench.runner import cpu_model
-    cpu = cpu_model()
-    import torch
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "load_average_at_start": list(os.getloadavg())}
-
-
 def compare(report: dict) -> None:
     report["speedup_vs_baseline"] = {}
     if "baseline" not in report["configs"]:
@@ -224,11 +217,8 @@ def compare(report: dict) -> None:
 
 
 def markdown(report: dict) -> str:
-    m, s = report["machine"], report["settings"]
-    lines = ["# `verispec serve` under load", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, Python {m['python']}; "
-             f"load average at start {[round(x, 2) for x in m['load_average_at_start']]} (shared machine). "
-             f"Server: {s['num_threads']} torch thread(s), {s.get('weights', 'dense')} weights, "
+    s = report["settings"]
+    lines = [f"Server: {s['num_threads']} torch thread(s), {s.get('weights', 'dense')} weights, "
              f"max_num_seqs {max(s['levels'])}, "
              f"max_model_len {s['max_model_len']}.",
              f"Workload: Spec-Bench first turns (chat), greedy, max_tokens {s['max_tokens']}, closed loop, "
@@ -253,13 +243,15 @@ def markdown(report: dict) -> str:
               "shared: the load average (see the JSON) changed during the run, and differences of about "
               "+-20% between configurations that decode the same way are noise. Mean acceptance length "
               "counts the bonus token; a policy that turned speculation off shows the acceptance of its "
-              "exploration steps only.", ""]
+              "exploration steps only."]
     return "\n".join(lines)
+
+
+OUTPUT = harness.Output("serve_load", "`verispec serve` under load", markdown, model="smollm2-135m", per_model=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
     p.add_argument("--policy", default="auto", help="num_speculative_tokens_per_batch_size of the policy config")
     p.add_argument("--levels", default="1,4,16,32", type=lambda s: [int(x) for x in s.split(",")])
@@ -272,15 +264,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="server --weights (fp16: FBGEMM fp16-packed matmul weights)")
     p.add_argument("--questions-per-category", type=int, default=4)
     p.add_argument("--configs", default="baseline,speculative,speculative+policy")
-    p.add_argument("--out", default=str(OUT / "serve_load"))
-    p.add_argument("--render", metavar="JSON", help="only rewrite the Markdown report of a saved JSON result")
-    args = p.parse_args(argv)
+    p.add_argument("--render", metavar="JSON", help="rewrite the Markdown of this saved JSON result "
+                   "(as --rerender --out JSON without .json)")
+    args = OUTPUT.parse(p, argv)
+    if args is None:
+        return 0
     if args.render:
-        report = json.loads(Path(args.render).read_text())
-        Path(args.render).with_suffix(".md").write_text(markdown(report))
+        print("wrote", OUTPUT.rerender(args.render.removesuffix(".json")))
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))     # still stop the servers
-    sys.path.insert(0, str(ROOT / "src"))
     from verispec.data import per_category, spec_bench_questions
     questions = [q for q in per_category(spec_bench_questions(), args.questions_per_category)
                  if len(q["turns"][0]) <= 3 * (args.max_model_len - args.max_tokens - 64)]
@@ -289,16 +281,14 @@ def main(argv: list[str] | None = None) -> int:
                "speculative+policy": ["--speculative-config", args.speculative_config,
                                       "--num-speculative-tokens-per-batch-size", args.policy]}
     wanted = args.configs.split(",")
-    report = {"machine": machine(), "settings": {k: v for k, v in vars(args).items() if k != "out"},
+    settings = {k: v for k, v in harness.settings(args).items() if k != "render"}
+    report = {"machine": harness.machine_record(), "settings": settings,
               "num_questions": len(questions), "configs": {}}
     t0 = time.perf_counter()
     report["configs"] = run_configs({name: configs[name] for name in wanted}, questions, args)
     report["total_s"] = round(time.perf_counter() - t0, 1)
     compare(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps(report, indent=2) + "\n")
-    Path(args.out + ".md").write_text(markdown(report))
-    print(markdown(report))
+    print(OUTPUT.write(report, args.out).read_text())
     return 0
 
 

@@ -32,6 +32,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+from verispec.bench import harness  # noqa: E402
+
 GREEDY_PROMPTS = ["The capital of France is", "List three colours:", "Once upon a time", "def add(a, b):",
                   "The recipe needs flour, eggs and", "Translate to French: good morning"]
 
@@ -239,8 +242,7 @@ def phase_kill(server: Server, args: argparse.Namespace, port: int) -> tuple[dic
 def markdown(rep: dict) -> str:
     load, kill = rep["load"], rep["kill"]
     rss = [r for _, r in load["rss_mib"] if r is not None]
-    lines = [f"# Soak with faults ({rep['when']})", "", f"Machine: {rep['machine']}. Command: `{rep['command']}`.", "",
-             f"- {load['users']} users for {load['duration_s']} s, {load['requests']} requests; 5xx responses: "
+    lines = [f"- {load['users']} users for {load['duration_s']} s, {load['requests']} requests; 5xx responses: "
              f"**{load['status_5xx']}**.",
              f"- TTFT p50 / p99: {load['ttft_p50_s']} / {load['ttft_p99_s']} s; end-to-end p50 / p99: "
              f"{load['e2e_p50_s']} / {load['e2e_p99_s']} s.",
@@ -258,6 +260,7 @@ def markdown(rep: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
+    machine = harness.machine_record()
     port = _free_port()
     server = Server(port, args)
     try:
@@ -268,16 +271,14 @@ def run(args: argparse.Namespace) -> dict:
         if server.proc.poll() is None:
             server.proc.send_signal(signal.SIGTERM)
             server.proc.wait(60)
-    import platform
-    import torch
-    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                if x.startswith("model name")), platform.processor())
-    return {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, shared machine",
-            "command": " ".join(sys.argv), "load": load, "kill": kill}
+    return {"machine": machine, "load": load, "kill": kill}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+OUT = harness.Output("soak", "Soak with faults", markdown, model="smollm2-135m", per_model=False)
+
+
+def parse_args(argv=None) -> argparse.Namespace | None:
+    """The soak's options (with the harness's --out, --rerender, --model); None after a --rerender."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--duration", type=float, default=600)
     p.add_argument("--users", type=int, default=32)
@@ -285,22 +286,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--burst", type=int, default=48)
     p.add_argument("--kill-after", type=float, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--weights", default="fp16")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=32)
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
-    p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
-    return p.parse_args(argv)
+    return OUT.parse(p, argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args is None:
+        return 0
     rep = run(args)
-    if args.out:
-        Path(args.out + ".json").write_text(json.dumps(rep, indent=1) + "\n")
-        Path(args.out + ".md").write_text(markdown(rep))
-    print(markdown(rep))
+    print(OUT.write(rep, args.out).read_text())
     load, kill = rep["load"], rep["kill"]
     good = (load["status_5xx"] == 0 and not load["greedy_outputs_differing_from_solo"] and kill["clients_hung"] == 0
             and load["running_at_end"] == 0 and load["waiting_at_end"] == 0 and kill["restarted_status"] == 200)

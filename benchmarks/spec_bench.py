@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch is imported (see above)
 
-from verispec.bench.runner import BenchConfig
-from verispec.bench.suite_main import suite_main
+from verispec.bench import harness  # noqa: E402
+from verispec.bench.runner import BenchConfig  # noqa: E402
+from verispec.bench.suite_main import suite_main  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "results" / "spec_bench"
+OUT = harness.RESULTS / "spec_bench"      # results.json, report.md and plots (``verispec bench``'s report)
 NOTE = ("Measured on a shared 2-core VM while other engineers' builds and tests competed for the "
         "same cores (load averages below and in results.json). Absolute tokens/s are depressed and "
         "noisy; the ratios are sturdier because all methods run interleaved per question in one "

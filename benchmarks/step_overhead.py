@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -111,37 +110,41 @@ def _wrap(engine) -> _Timer:
 
 
 def main() -> None:
-    from interleave import add_arguments, run_rounds          # benchmarks/ (this script's folder)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(ap, rounds=3, out=str(HERE / "results" / "step_overhead"))
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--configs", choices=("eager", "compiled"), default="eager",
                     help="eager: the 2026-12-03 set (eager forwards, trees, batch 4); compiled: batch-1 greedy "
                          "steps on compiled forwards, the default configs' shapes")
-    a = ap.parse_args()
-    if a.worker:
-        print(json.dumps(worker(a.max_tokens, a.prompts, a.configs)))
+    if "--worker" in sys.argv[1:]:        # one tree's worker: that tree's verispec may predate bench.harness
+        ap.add_argument("--worker", action="store_true")
+        a = ap.parse_args()
+        print(json.dumps(worker(a.max_tokens, a.prompts, a.configs)))      # to the driver's pipe
         return
-    runs = run_rounds(__file__, a.src, a.label, a.rounds, ["--max-tokens", str(a.max_tokens), "--prompts", str(a.prompts),
-                                                         "--configs", a.configs],
-                      env={"OMP_WAIT_POLICY": "PASSIVE"})
-    _report(runs, a)
-
-
-def _report(runs: dict[str, list[dict]], a) -> None:
-    labels = list(runs)
-    names = list(runs[labels[0]][0])
+    from verispec.bench import harness
+    harness.add_tree_options(ap, rounds=3)
+    out = harness.Output("step_overhead", TITLE, render)
+    a = out.parse(ap)
+    if a is None:
+        return
+    machine = harness.machine_record()
+    runs = harness.run_trees(__file__, a.src, a.label, a.rounds, ["--max-tokens", str(a.max_tokens), "--prompts",
+                                                                 str(a.prompts), "--configs", a.configs],
+                             env={"OMP_WAIT_POLICY": "PASSIVE"})
+    labels, names = list(runs), list(runs[a.label[0]][0])
     med = {lab: {n: {k: statistics.median(run[n][k] for run in runs[lab]) for k in runs[lab][0][n]}
                  for n in names} for lab in labels}
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out + ".json").write_text(json.dumps({"machine": machine, "rounds": a.rounds,
-                                                 "max_tokens": a.max_tokens, "prompts": a.prompts,
-                                                 "runs": runs, "median": med}, indent=1))
-    lines = [f"# Step overhead: time per step outside the draft and target forwards", "",
-             f"Machine: {machine}. SmolLM2-135M fp16-packed, 2 threads, {a.prompts} Spec-Bench prompts, "
-             f"{a.max_tokens} tokens, median over steps, then over {a.rounds} interleaved rounds.", "",
+    res = {"machine": machine, "rounds": a.rounds, "max_tokens": a.max_tokens, "prompts": a.prompts,
+           "runs": runs, "median": med}
+    print(out.write(res, a.out).read_text())
+
+
+def render(res: dict) -> str:
+    med = res["median"]
+    labels = list(med)
+    names = list(med[labels[0]])
+    lines = [f"SmolLM2-135M fp16-packed, 2 threads, {res['prompts']} Spec-Bench prompts, "
+             f"{res['max_tokens']} tokens, median over steps, then over {res['rounds']} interleaved rounds.", "",
              "| config | " + " | ".join(f"{lab}: rest ms/step" for lab in labels) + " | ratio | forward ms | propose ms |"
              " step ms | rest share |",
              "|---|" + "---|" * (len(labels) + 5)]
@@ -153,8 +156,10 @@ def _report(runs: dict[str, list[dict]], a) -> None:
         lines.append(f"| {n} | " + " | ".join(f"{x:.2f}" for x in rest) +
                      f" | {rest[0] / rest[-1]:.2f}x | {last['forward_ms']:.1f} | "
                      f"{last['propose_ms']:.2f} | {f'{step:.2f}' if step else '–'} | {share} |")
-    Path(a.out + ".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+TITLE = "Step overhead: time per step outside the draft and target forwards"
 
 
 if __name__ == "__main__":

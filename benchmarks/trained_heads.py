@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch is imported
 
-from verispec.bench.runner import BenchConfig
-from verispec.bench.suite_main import suite_main
+from verispec.bench import harness  # noqa: E402
+from verispec.bench.runner import BenchConfig  # noqa: E402
+from verispec.bench.suite_main import suite_main  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "results" / "trained_heads"
+OUT = harness.RESULTS / "trained_heads"      # results.json, report.md and plots (``verispec bench``'s report)
 NOTE = ("Shared 2-core VM (other jobs of this session may compete; load averages in results.json). "
         "All methods run interleaved per question in one process; ratios are the numbers to read.")
 SUBSET = ("translation", "summarization", "qa", "math_reasoning")

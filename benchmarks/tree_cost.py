@@ -27,15 +27,14 @@ Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/tree_cost.py [--cache-len 512
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from verispec.bench import harness
 from verispec.drafting.dynamic_tree import DynamicTreeConfig, rank
 from verispec.drafting.eagle_head import EagleHeadConfig, HeadKind, init_head_weights, new_eagle_head
 from verispec.models.kv_cache import KVCache
@@ -156,12 +155,9 @@ def step_table(target: dict[int, float], fit, head: dict[str, float]) -> list[di
     return rows
 
 
-def write_results(res: dict, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tree_cost.json").write_text(json.dumps(res, indent=2) + "\n")
+def render(res: dict) -> str:
     t1 = res["target_s"]["1"]
-    lines = ["# Tree cost: target verify time vs tree tokens, EAGLE-3 head cost per depth step", "",
-             f"Machine: {res['machine']}; torch {res['torch']}, {res['threads']} thread(s); load average "
+    lines = [f"Torch {res['torch']}, {res['threads']} thread(s); load average "
              f"{res['load_avg']} while measuring (the machine is shared); SmolLM2-135M fp32; cache length "
              f"{res['cache_len']}; median of {res['repeats']} runs.", "",
              "| tree tokens T (root + nodes) | target forward (ms) | x T=1 |", "|---:|---:|---:|"]
@@ -197,15 +193,21 @@ def write_results(res: dict, out_dir: Path) -> None:
               "thin layers while the head's lm_head spans the whole vocabulary. A trained head with a reduced "
               "draft vocabulary (d2t/t2d) or fewer levels cuts the draft column; the modelled speed-ups below 1 "
               "say that at alpha 0.7 the paper's depth 6 does not pay here with a full-vocabulary head."]
-    (out_dir / "tree_cost.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
+OUT = harness.Output("tree_cost", "Tree cost: target verify time vs tree tokens, EAGLE-3 head cost per depth step",
+                     render)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = ap.parse_args()
+    args = OUT.parse(ap)
+    if args is None:
+        return
+    machine = harness.machine_record()
     target = load_model("smollm2-135m", dtype="float32")
     load_before = os.getloadavg()[0]
     tgt = target_curve(target.model, args.cache_len, args.repeats)
@@ -214,25 +216,14 @@ def main() -> None:
     fit = fit_verify(tgt)
     steps = {v: step_table(tgt, fit, h) for v, h in heads.items()}
     best_by = {v: {str(a): choose(tgt[1], fit, draft_cost(h), a) for a in ALPHAS} for v, h in heads.items()}
-    res = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({_cpu_name()})", "torch": torch.__version__,
+    res = {"machine": machine, "torch": torch.__version__,
            "threads": torch.get_num_threads(), "cache_len": args.cache_len, "repeats": args.repeats,
            "load_avg": round((load_before + os.getloadavg()[0]) / 2, 1),
            "target_s": {str(k): v for k, v in tgt.items()}, "verify_fit_s": fit, "head_s": heads,
            "steps": steps, "best": best_by,
            "topk": TOPK, "depth": DEPTH, "alpha": ALPHA,
            "chosen_num_draft_tokens": best_by[str(target.config.vocab_size)][str(ALPHA)]}
-    write_results(res, args.out)
-    print((args.out / "tree_cost.md").read_text())
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+    print(OUT.write(res, args.out).read_text())
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ SUITES: tuple[Suite, ...] = (
     script("step-overhead", "step_overhead.py", "--configs compiled --out benchmarks/results/step_overhead_compiled",
            "step_overhead_compiled.md", "time a decoding step spends outside the draft and target forwards",
            "SmolLM2 fp16 compiled, 4 Spec-Bench prompts, 48 tokens, batch 1", group="serve",
-           note="a before/after run: pass --src/--label for the trees to compare (benchmarks/interleave.py)"),
+           note="a before/after run: pass --src/--label for the trees to compare (harness.run_trees)"),
     # --- training
     script("train-throughput", "train_throughput.py", f"--data {REGEN} --limit 48", "train_throughput.md",
            "EAGLE-3 training throughput, online features against the feature cache", "SmolLM2, 4 x 512 tokens a step",
