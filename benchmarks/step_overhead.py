@@ -17,9 +17,7 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
 CONFIGS = [   # (name, speculative_config, temperature, batch)
     ("eagle3 dynamic tree (topk 8, depth 6), greedy", {"method": "eagle3", "topk": 8, "depth": 6}, 0.0, 1),
     ("eagle3 dynamic tree (topk 8, depth 6), T=0.8", {"method": "eagle3", "topk": 8, "depth": 6}, 0.8, 1),

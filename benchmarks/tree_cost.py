@@ -30,7 +30,6 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
