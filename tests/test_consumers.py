@@ -44,7 +44,7 @@ from helpers import randomise, tiny_head_config
 from verispec.core.features import TargetFeatures
 from verispec.drafting.eagle_head import HeadKind, new_eagle_head
 from verispec.drafting.medusa_head import MedusaConfig, MedusaHeads
-from verispec.formats import read_tensors, save_eagle_head, save_medusa_heads
+from verispec.formats import eagle3, read_tensors, save_eagle_head, save_medusa_heads
 from verispec.train.export import export
 
 V, H, L, T = 64, 32, 8, 6           # target vocabulary, hidden size, layers; tokens per forward
@@ -118,8 +118,9 @@ def stub_modules(monkeypatch, *names: str) -> None:
 
 
 # -- heads ---------------------------------------------------------------------------------------------
-def eagle3_head(target):
-    head = randomise(new_eagle_head(tiny_head_config(HeadKind.EAGLE3, V, H, L, draft_vocab_size=DRAFT), target), seed=1)
+def eagle3_head(target, **overrides):
+    cfg = tiny_head_config(HeadKind.EAGLE3, V, H, L, draft_vocab_size=DRAFT, **overrides)
+    head = randomise(new_eagle_head(cfg, target), seed=1)
     keep = torch.randperm(V, generator=torch.Generator().manual_seed(2))[:DRAFT].sort().values
     head.d2t.copy_(keep - torch.arange(DRAFT))
     head.t2d.zero_()
@@ -149,19 +150,26 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 # -- EAGLE-3: speculators (vLLM's format) -----------------------------------------------------------------
-def test_speculators_converts_and_runs_our_vllm_eagle3_export(tmp_path, target, target_dir, monkeypatch):
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_speculators_converts_and_runs_our_vllm_eagle3_export(tmp_path, target, target_dir, monkeypatch,
+                                                              norm_before_residual):
     """speculators' ``Eagle3Converter`` turns our ``vllm`` export into its format (vLLM's), its own
-    validation loads it, and its ``Eagle3DraftModel`` gives our head's logits (same d2t / t2d / aux ids)."""
+    validation loads it, and its ``Eagle3DraftModel`` gives our head's logits (same d2t / t2d / aux ids),
+    for plain heads and for speculators' ``norm_before_residual`` variant (residual after hidden_norm)."""
     require("speculators", "speculators==0.9.0")
     stub_modules(monkeypatch, "datasets", "hs_connectors")
     from safetensors.torch import load_file
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    head = eagle3_head(target)
+    head = eagle3_head(target, norm_before_residual=norm_before_residual)
     out, cfg = exported(tmp_path, save_eagle_head, head, "vllm", target)
+    assert cfg.get("norm_before_residual", False) is norm_before_residual
     Eagle3Converter().convert(out, tmp_path / "spec", base_model=str(target_dir), validate=True,
+                              norm_before_residual=norm_before_residual,
                               eagle_aux_hidden_state_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"])
+    spec_cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert eagle3.config_from_json(spec_cfg, target.cfg, False).norm_before_residual is norm_before_residual
     converted = load_file(str(tmp_path / "spec" / "model.safetensors"))
     ours = read_tensors(out)
     assert set(converted) == {k.replace("midlayer.", "layers.0.") for k in ours}      # nothing dropped or added

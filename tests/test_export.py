@@ -148,6 +148,20 @@ def test_eagle31_refused(tiny, tmp_path, fmt):
         export(tmp_path / "src", tmp_path / "out", fmt, tiny)
 
 
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "eagle"])
+def test_norm_before_residual_only_where_read(tiny, tmp_path, fmt):
+    """vLLM reads speculators' ``norm_before_residual``; SGLang and the EAGLE repo would run the
+    head as plain EAGLE-3 (wrong drafts), so those exports are refused."""
+    save_eagle_head(eagle_head(tiny, HeadKind.EAGLE3, norm_before_residual=True), tmp_path / "src")
+    if fmt == "vllm":
+        export(tmp_path / "src", tmp_path / "out", fmt, tiny)
+        assert cfg_of(tmp_path / "out")["norm_before_residual"] is True
+        assert load_eagle_head(tmp_path / "out", tiny, HeadKind.EAGLE3).cfg.norm_before_residual
+        return
+    with pytest.raises(CheckpointError, match="norm_before_residual"):
+        export(tmp_path / "src", tmp_path / "out", fmt, tiny)
+
+
 def test_own_embedding_replaced_by_consumer_is_refused(tiny, tmp_path):
     save_eagle_head(eagle_head(tiny, HeadKind.EAGLE3, own_embedding=True), tmp_path / "src")
     with pytest.raises(CheckpointError, match="differs from the target's"):

@@ -195,9 +195,15 @@ def test_wrong_pairings_fail_clearly(wrong, match, tmp_path):
         load_eagle_head(folder, target, HeadKind.EAGLE3)
 
 
-def test_speculators_variants_refused_clearly(tmp_path):
+def test_speculators_variants(tmp_path):
+    """``norm_before_residual`` is read (and reaches the head's config); another algorithm or a
+    non-boolean switch is refused clearly."""
     cfg = _scaled(SPECULATORS_LLAMA31_8B)
+    target = SimpleNamespace(hidden_size=64, vocab_size=256, num_layers=32)
+    for flag in (False, True):
+        layer = eagle3.from_speculators({**cfg, "norm_before_residual": flag})
+        assert layer["norm_before_residual"] is flag
     with pytest.raises(CheckpointError, match="norm_before_residual"):
-        eagle3.from_speculators({**cfg, "norm_before_residual": True})
+        eagle3.config_from_json({**cfg, "norm_before_residual": "yes"}, target, False)
     with pytest.raises(CheckpointError, match="not an EAGLE-3 head"):
         eagle3.from_speculators({**cfg, "speculators_config": {"algorithm": "eagle"}})

@@ -19,7 +19,8 @@ Heads share one interface, used by ``eagle.EagleDrafter``:
 
 Architectures (names as in the official checkpoints, mapped in ``verispec.formats``):
 - EAGLE-3: ``x = fc(concat(f_low, f_mid, f_high))``; one Llama layer whose q/k/v read
-  ``concat(input_layernorm(embed(token)), hidden_norm(x))`` (2h) with residual ``x``;
+  ``concat(input_layernorm(embed(token)), hidden_norm(x))`` (2h) with residual ``x`` (or
+  ``hidden_norm(x)``: speculators' ``norm_before_residual``);
   logits ``lm_head(norm(out))`` over the draft vocabulary; fed back: ``out`` (EAGLE-3) or
   ``norm(out)`` (EAGLE-3.1 ``norm_output``).
 - EAGLE-1: ``x = fc(concat(embed(token), feature))`` (2h -> h, optional bias); one Llama layer
@@ -69,6 +70,7 @@ class EagleHeadConfig:
     fc_bias: bool = False                  # EAGLE-1 fc bias (the EAGLE repo has one)
     fc_norm: bool = False                  # EAGLE-3.1: RMSNorm per fused feature before fc
     norm_output: bool = False              # EAGLE-3.1: feed back the post-norm hidden state
+    norm_before_residual: bool = False     # speculators: the residual is hidden_norm(x), not x
     own_embedding: bool = False            # False: share the target's token embedding
 
     def __post_init__(self) -> None:
@@ -269,11 +271,18 @@ class Eagle3Head(_HeadBase):
     def layer(self, tokens, hidden, cos, sin, mask, cache, rows, slots, used, select=None):
         """The decoder layer on planned inputs (``attention_plan``'s slots, used and mask): (state
         to feed back [B,T,h], what ``logits_of`` reads [B,T,h])."""
-        x = torch.cat([self.input_layernorm(self._embed(tokens)), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.attn(x, cos, sin, mask, cache, rows, slots, used, select)
+        x, residual = self.attention_input(tokens, hidden)
+        h = residual + self.attn(x, cos, sin, mask, cache, rows, slots, used, select)
         h = h + self.mlp(self.post_attention_layernorm(h))
         normed = self.norm(h)
         return (normed if self.cfg.norm_output else h), normed
+
+    def attention_input(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q/k/v input ``concat(input_layernorm(embed(tokens)), hidden_norm(hidden))`` [B,T,2h],
+        the attention's residual: ``hidden``, or ``hidden_norm(hidden)`` when ``norm_before_residual``)."""
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(self._embed(tokens)), normed], dim=-1)
+        return x, (normed if self.cfg.norm_before_residual else hidden)
 
     def logits_of(self, x: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of ``layer``'s second output."""

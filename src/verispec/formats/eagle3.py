@@ -4,6 +4,7 @@ Our layout (what SpecForge exports and vLLM / SGLang read): a folder with ``conf
 config: ``num_hidden_layers`` 1, ``draft_vocab_size``, optional ``target_hidden_size``,
 ``architectures`` ``LlamaForCausalLMEagle3`` (or ``LlamaForCausalLM`` /
 ``Eagle3LlamaForCausalLM``), the EAGLE-3.1 switches ``fc_norm`` / ``norm_output`` when on,
+speculators' ``norm_before_residual`` when on (vLLM reads it too),
 ``eagle_config.eagle_aux_hidden_state_layer_ids``) and ``model.safetensors`` (or
 ``pytorch_model.bin``) with ``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``,
 ``d2t``, ``t2d``, optional ``embed_tokens.weight`` (absent: the target's is shared) and
@@ -67,21 +68,19 @@ def from_speculators(cfg_json: dict) -> dict:
     """A speculators-format config (``speculators_config`` / ``transformer_layer_config``, as
     vLLM reads it) as our layout's config: the layer config, plus ``draft_vocab_size``,
     ``target_hidden_size`` and the aux ids of the outer config. Any other config is returned as it
-    is. Refused: another algorithm, and ``norm_before_residual`` (a variant our head does not run)."""
+    is. ``norm_before_residual`` (the attention's residual is ``hidden_norm(x)``) is kept. Refused:
+    another algorithm."""
     if not ({"speculators_config", "transformer_layer_config"} & set(cfg_json)
             or set(cfg_json.get("architectures") or []) & set(SPECULATORS_ARCHITECTURES)):
         return cfg_json
     algorithm = (cfg_json.get("speculators_config") or {}).get("algorithm") or cfg_json.get("speculators_model_type")
     if algorithm not in (None, "eagle3"):
         raise CheckpointError(f"speculators algorithm {algorithm!r} is not an EAGLE-3 head (eagle3)")
-    if cfg_json.get("norm_before_residual"):
-        raise CheckpointError("speculators norm_before_residual=true (hidden_norm before the residual) is not "
-                              "supported; verispec runs EAGLE-3 heads that norm after taking the residual")
     layer = cfg_json.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise CheckpointError("speculators config.json lacks 'transformer_layer_config'")
     out = {**layer, "architectures": [ARCHITECTURES[0]]}
-    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual"):
         if cfg_json.get(key) is not None:
             out[key] = cfg_json[key]
     return out
@@ -108,13 +107,23 @@ def config_from_json(cfg: dict, target_cfg, has_embedding: bool,
     return make_config(kind=HeadKind.EAGLE3, **fields, draft_vocab_size=int(cfg.get("draft_vocab_size")
                                                                             or fields["vocab_size"]),
                        aux_layer_ids=tuple(int(i) for i in ids), fc_norm=bool(cfg.get("fc_norm", False)),
-                       norm_output=bool(cfg.get("norm_output", False)), own_embedding=has_embedding)
+                       norm_output=bool(cfg.get("norm_output", False)), own_embedding=has_embedding,
+                       norm_before_residual=_flag(cfg, "norm_before_residual"))
+
+
+def _flag(cfg: dict, key: str) -> bool:
+    """A boolean config switch; anything but true / false / absent is a ``CheckpointError``."""
+    value = cfg.get(key, False)
+    if value not in (True, False, None):
+        raise CheckpointError(f"config.json {key!r} must be true or false, got {value!r}")
+    return bool(value)
 
 
 def config_to_json(cfg: EagleHeadConfig, dtype: torch.dtype) -> dict:
     out = llama_json(cfg, dtype, "LlamaForCausalLMEagle3")
     out["draft_vocab_size"] = cfg.draft_vocab_size
-    out.update({k: True for k in ("fc_norm", "norm_output") if getattr(cfg, k)})   # see the module docstring
+    out.update({k: True for k in ("fc_norm", "norm_output", "norm_before_residual")   # see the module docstring
+                if getattr(cfg, k)})
     out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True}
     return out
 
@@ -179,6 +188,9 @@ def to_consumer(ck: EagleCheckpoint, fmt: ExportFormat, target_model, notes: lis
                         f"({consumer} implements neither)")
     if cfg.attention_bias:
         problems.append(f"attention biases ({consumer}'s EAGLE-3 layer has none)")
+    if cfg.norm_before_residual and fmt is not ExportFormat.VLLM:
+        problems.append(f"norm_before_residual (the residual taken after hidden_norm; {consumer} does not read it, "
+                        "vLLM does)")
     if len(cfg.aux_layer_ids) != 3:
         problems.append(f"{len(cfg.aux_layer_ids)} aux layers ({consumer} fuses exactly three)")
     ids = list(cfg.aux_layer_ids)

@@ -157,9 +157,9 @@ def ttt_step(head: Eagle3Head, tokens, positions, hidden, past):
     to feed back, the final-normed state (``head.lm_head`` of it gives the logits) and the step's
     K/V."""
     cos, sin = head._rope(positions, hidden.dtype)
-    x = torch.cat([head.input_layernorm(head._embed(tokens)), head.hidden_norm(hidden)], dim=-1)
+    x, residual = head.attention_input(tokens, hidden)
     a, kv = ttt_attention(head.attn, x, cos, sin, past)
-    h = hidden + a
+    h = residual + a
     h = h + head.mlp(head.post_attention_layernorm(h))
     normed = head.norm(h)
     return (normed if head.cfg.norm_output else h), normed, kv
