@@ -32,7 +32,6 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "benchmarks" / "results"
-DEFAULT_MODEL = "smollm2-135m"
 
 
 # ---------------------------------------------------------------------------------- machine record
