@@ -153,6 +153,10 @@ def run(args) -> dict:
            "settings": harness.settings(args)}
     src = resolve_model(args.model)
     tok = load_tokenizer(src.path, src.format)
+    if getattr(tok, "chat_template", None) is None:      # a base model (gemma3-270m): plain Q/A text
+        from verispec.bench.runner import PLAIN_CHAT_TEMPLATE
+        tok.chat_template = PLAIN_CHAT_TEMPLATE
+        res["plain_text"] = True
     examples = heldout_examples(tok, args.conversations, args.max_length)
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False).input_ids
@@ -198,6 +202,8 @@ def render(res: dict) -> str:
     s = res["settings"]
     lines = [f"{s['threads']} threads. Reference: the fp32 model as loaded (`dense`).", "",
              f"- Perplexity: {s['conversations']} held-out ShareGPT conversations (the heads' held-out split), "
+             + ("rendered as plain \"Question: ... / Answer: ...\" text (a base model: no chat template), "
+                if res.get("plain_text") else "") +
              f"at most {s['max_length']} tokens each, loss on assistant tokens, fed in chunks of {s['chunk']} "
              "tokens through the KV cache (the decode/verify kernels).",
              f"- Greedy: Spec-Bench first turns, {s['per_category']} per category, {s['max_tokens']} new tokens.", "",

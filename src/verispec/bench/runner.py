@@ -383,15 +383,21 @@ def machine_info(dtype: torch.dtype, meter: RssMeter, device: torch.device = tor
 
 
 # ---------------------------------------------------------------------------- conversations
+# The same plain rendering as a chat template, for code that renders conversations through
+# ``apply_chat_template`` (held-out perplexity with assistant-only loss): BOS, the turns as
+# "Question: ..." / "Answer: ..." separated by blank lines, "\n\nAnswer:" as the generation prompt.
+PLAIN_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
+    "{{ {'user': 'Question', 'assistant': 'Answer', 'system': 'Instructions'}.get(m['role'], m['role']) }}: "
+    "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}{{ '\\n\\nAnswer:' }}{% endif %}")
+
+
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of ``messages`` with the chat template and the generation prompt applied. A base
-    model without a template (gemma3-270m) gets plain "Question: ... / Answer:" text instead, with
-    the tokenizer's special tokens (BOS)."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        names = {"user": "Question", "assistant": "Answer", "system": "Instructions"}
-        text = "\n\n".join(f"{names.get(m['role'], m['role'])}: {m['content']}" for m in messages)
-        return tokenizer(text + "\n\nAnswer:").input_ids
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    model without a template (gemma3-270m) gets ``PLAIN_CHAT_TEMPLATE``'s plain "Question: ... /
+    Answer:" text instead, after BOS."""
+    template = None if getattr(tokenizer, "chat_template", None) is not None else PLAIN_CHAT_TEMPLATE
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
