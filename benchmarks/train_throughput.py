@@ -9,6 +9,11 @@ step left out as warm-up), the feature pass's tokens per second, and the epochs 
 cache has paid for itself.
 
     python benchmarks/train_throughput.py --data runs/regen/a.jsonl runs/regen/b.jsonl
+    python benchmarks/train_throughput.py --model qwen2.5-coder-1.5b --target-weights int4-a8 --head none \
+        --draft-vocab-size 32768 --data runs/qwen/regen.jsonl --out benchmarks/results/train_throughput_qwen
+
+``--head none`` trains a new head initialised from the target (``--head-init target``) instead of
+warm-starting a shipped one; ``--target-weights`` is the target's weights while features are read.
 
 Results: ``benchmarks/results/train_throughput.{json,md}``.
 """
@@ -51,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=48)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--head", default=HEAD)
+    ap.add_argument("--head", default=HEAD, help="head to warm-start from, or 'none' (a new head from the target)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--target-weights", default="dense")
+    ap.add_argument("--draft-vocab-size", type=int, default=None, help="a new head's draft vocabulary")
+    ap.add_argument("--ttt-length", type=int, default=5)
     args = OUT.parse(ap, argv)
     if args is None:
         return 0
@@ -59,13 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--data is required")
     machine = harness.machine_record()
     tmp = Path(tempfile.mkdtemp(prefix="verispec-tt-"))
-    common = ["--data", *args.data, "--limit", str(args.limit), "--max-length", "512", "--heldout-fraction", "0.05",
-              "--threads", str(args.threads)]
+    common = ["--model", args.model, "--data", *args.data, "--limit", str(args.limit), "--max-length", "512",
+              "--heldout-fraction", "0.05", "--threads", str(args.threads), "--target-weights", args.target_weights]
     feats = tmp / "feats"
     t_feat = _run(VERISPEC + ["data", "features", *common, "--out", str(feats), "--dtype", "fp16", "--quiet"])
     index = json.loads((feats / "index.json").read_text())
     cache_bytes = sum(f.stat().st_size for f in feats.iterdir())
-    train = ["train", "eagle3", *common, "--init-from", args.head, "--ttt-length", "5", "--batch-size", "4",
+    start = ["--head-init", "target"] + (["--draft-vocab-size", str(args.draft_vocab_size)]
+                                         if args.draft_vocab_size else []) if args.head == "none" \
+        else ["--init-from", args.head]
+    train = ["train", "eagle3", *common, *start, "--ttt-length", str(args.ttt_length), "--batch-size", "4",
              "--micro-batch-size", "4", "--max-steps", str(args.steps), "--log-every", "1", "--save-every", "1000",
              "--dtype", "bf16", "--quiet"]
     rows = {}
@@ -78,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     feat_rate = tokens / t_feat if t_feat else 0.0
     ratio = rows["cache"]["loss_tokens_per_s"] / rows["online"]["loss_tokens_per_s"]
     result = {"machine": machine, "threads": args.threads, "data": args.data, "limit": args.limit,
-              "head": args.head, "steps": args.steps,
+              "head": args.head, "steps": args.steps, "model": args.model, "target_weights": args.target_weights,
+              "draft_vocab_size": args.draft_vocab_size, "ttt_length": args.ttt_length,
               "train_sequences": meta.get("train_sequences"), "train_tokens": tokens,
               "feature_pass_s": t_feat, "feature_pass_tokens_per_s": feat_rate, "feature_layers": index.get("layers"),
               "cache_bytes": cache_bytes, "cache_bytes_per_token": cache_bytes / max(tokens, 1),
@@ -90,8 +103,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(r: dict) -> str:
     online, cache = r["online"], r["cache"]
+    head = r.get("head", HEAD)
+    start = (f"a new head initialised from the target (draft vocabulary {r.get('draft_vocab_size') or 'full'})"
+             if head == "none" else f"head warm-started from `{head}`")
     return "\n".join([
-        f"Training with {r['threads']} thread(s); head warm-started from `{r.get('head', HEAD)}`; TTT 5, bf16 "
+        f"Target `{r.get('model', 'smollm2-135m')}` with `{r.get('target_weights', 'dense')}` weights. Training with "
+        f"{r['threads']} thread(s); {start}; TTT {r.get('ttt_length', 5)}, bf16 "
         f"autocast, 4 sequences of at most 512 tokens per step; {r.get('steps', 6)} steps, the first left out.", "",
         "| run | seconds per step | loss tokens/s |", "|---|---|---|",
         f"| online (target forward in every step) | {online['seconds_per_step']:.2f} | "
