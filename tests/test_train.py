@@ -187,6 +187,23 @@ def test_head_init_takes_what_it_says_from_the_target(single_thread):
         tiny_task(target, data, init="layers")
 
 
+def test_a_narrower_head_mlp(single_thread):
+    """``--intermediate-size``: a new head's MLP can be narrower than the target's (a smaller, cheaper
+    head); copying the target's last layer into it is refused."""
+    from verispec.train.eagle3 import init_eagle3_head, new_head_config
+    from verispec.train.vocab import build_draft_vocab
+    target = tiny_target()
+    vocab = build_draft_vocab(torch.ones(target.cfg.vocab_size), 32)
+    cfg = new_head_config(target.cfg, vocab.size, intermediate_size=24)
+    head = init_eagle3_head(cfg, target, vocab)
+    assert tuple(head.mlp.w_up.weight.shape) == (24, target.cfg.hidden_size)
+    assert new_head_config(target.cfg, vocab.size).intermediate_size == target.cfg.intermediate_size
+    with pytest.raises(ValueError, match="target-layer"):
+        init_eagle3_head(cfg, target, vocab, init="target-layer")
+    with pytest.raises(ValueError, match="intermediate_size"):
+        new_head_config(target.cfg, vocab.size, intermediate_size=0)
+
+
 @pytest.mark.parametrize("eagle31,dtype", [(True, "fp32"), (False, "bf16")])
 def test_eagle31_switches_and_bf16_train_and_reload(tmp_path, single_thread, eagle31, dtype):
     data = tiny_examples(16)

@@ -69,8 +69,9 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
     from ..train.vocab import build_draft_vocab, token_counts
     if args.eval_only and not args.init_from:
         raise SystemExit("--eval-only needs --init-from (the head to evaluate)")
-    if args.init_from and args.head_init:
-        raise SystemExit("--head-init starts a new head; --init-from warm-starts an existing one: give one")
+    if args.init_from and (args.head_init or args.intermediate_size):
+        raise SystemExit("--head-init / --intermediate-size shape a new head; --init-from warm-starts an existing "
+                         "one: give one")
     if args.threads:
         torch.set_num_threads(args.threads)
     prep = prepare_data(args.model, args.data, max_length=args.max_length,
@@ -88,7 +89,7 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
             eos = [i for i in prep.target.config.eos_token_ids if i < target.cfg.vocab_size]
             vocab = build_draft_vocab(counts, min(args.draft_vocab_size, target.cfg.vocab_size), always=eos)
         cfg = new_head_config(target.cfg, vocab.size, tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
-                              fc_norm=args.eagle31, norm_output=args.eagle31)
+                              fc_norm=args.eagle31, norm_output=args.eagle31, intermediate_size=args.intermediate_size)
         head = init_eagle3_head(cfg, target, vocab, seed=args.seed, init=args.head_init or "target")
     if is_rank0():                      # every rank has the same vocabulary (same data or same head)
         vocab_path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,6 +154,8 @@ def add_parser(sub) -> None:
                          "cross-entropy, hard (the target argmax), lk (-log acceptance rate) or soft+hard "
                          "(default: %(default)s)")
     e3.add_argument("--draft-vocab-size", type=int, default=16384)
+    e3.add_argument("--intermediate-size", type=int, default=None,
+                    help="a new head's MLP width (default: the target's intermediate size)")
     e3.add_argument("--aux-layer-ids", type=int, nargs=3, help="vLLM ids (k = output of layer k-1)")
     e3.add_argument("--eagle31", action="store_true", help="EAGLE-3.1: fc_norm + norm_output")
     e3.add_argument("--head-init", choices=["random", "target", "target-layer"], default=None,

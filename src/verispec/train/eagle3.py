@@ -72,10 +72,15 @@ class DraftLoss(str, enum.Enum):
 
 
 def new_head_config(target_cfg, draft_vocab_size: int, aux_layer_ids: tuple[int, ...] | None = None,
-                    fc_norm: bool = False, norm_output: bool = False) -> EagleHeadConfig:
-    """A head shaped like one target layer (SpecForge's default draft config)."""
+                    fc_norm: bool = False, norm_output: bool = False,
+                    intermediate_size: int | None = None) -> EagleHeadConfig:
+    """A head shaped like one target layer (SpecForge's default draft config); ``intermediate_size``
+    (default: the target's) narrows its MLP, the largest part of a head beside its LM head."""
+    if intermediate_size is not None and intermediate_size < 1:
+        raise ValueError(f"intermediate_size must be positive, got {intermediate_size}")
     return EagleHeadConfig(
-        kind=HeadKind.EAGLE3, hidden_size=target_cfg.hidden_size, intermediate_size=target_cfg.intermediate_size,
+        kind=HeadKind.EAGLE3, hidden_size=target_cfg.hidden_size,
+        intermediate_size=intermediate_size or target_cfg.intermediate_size,
         num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads, head_dim=target_cfg.head_dim,
         vocab_size=target_cfg.vocab_size, draft_vocab_size=draft_vocab_size,
         target_hidden_size=target_cfg.hidden_size, target_num_layers=target_cfg.num_layers,
@@ -112,6 +117,9 @@ def init_eagle3_head(cfg: EagleHeadConfig, target, vocab: DraftVocab, seed: int 
             head.lm_head.weight.copy_(target.lm_head.weight.detach()[vocab.draft_ids].float())
             head.norm.weight.copy_(target.norm.weight.detach().float())
         if init is HeadInit.TARGET_LAYER:
+            if cfg.intermediate_size != target.cfg.intermediate_size:
+                raise ValueError(f"--head-init target-layer copies the target's MLP ({target.cfg.intermediate_size} "
+                                 f"wide); this head's is {cfg.intermediate_size}: use --head-init target")
             _copy_last_layer(head, target.layers[-1])
         head.d2t.copy_(vocab.d2t)
         head.t2d.copy_(vocab.t2d)
