@@ -99,6 +99,40 @@ def test_cost_ratios_come_from_the_requests_timed_batch_one_steps():
     gate.observe_step([99], [0], 0.01)                  # an unknown request: ignored
 
 
+def test_probe_steps_time_plain_decoding_and_turn_off_what_does_not_pay():
+    """A timed request that keeps drafting takes plain probe steps, so its measured ratios exist:
+    drafted steps timed at twice a plain one (the model said 1.2-1.45) stop drafting, though the
+    acceptance is as modelled; drafted steps as dear as modelled keep drafting, a probe every
+    ``probe_every`` steps; the dear request untimed (sampled, or batch > 1) never probes and keeps
+    drafting on the modelled costs."""
+    ratio = {o.nodes: o.cost_ratio for o in OPTIONS}
+
+    def run(gate, seq, timed, step_s, steps):
+        credit, budgets = 0.0, []
+        for _ in range(steps):
+            b = gate.budget(seq)
+            budgets.append(b)
+            if b:
+                credit += next(o.expected_accepted for o in gate.options if o.nodes == b)
+                gate.observe(seq, b, int(credit))
+                credit -= int(credit)
+            gate.observe_step([seq if timed else None], [b], step_s(b))
+        return budgets
+    dear = lambda b: 0.020 if b else 0.010             # noqa: E731
+    c = GateConfig()
+    gate = DraftGate(OPTIONS, c)
+    budgets = run(gate, 1, True, dear, 120)
+    assert budgets.index(0) == c.probe_every // 4 and gate.stats.probes >= 1
+    assert gate.measured_ratio(3, 1) == pytest.approx(2.0)
+    assert gate.mode(1) in (Mode.WAIT, Mode.TRIAL) and budgets[-40:].count(0) > 30
+    untimed = DraftGate(OPTIONS, c)
+    assert 0 not in run(untimed, 2, False, dear, 120) and untimed.stats.probes == 0
+    fair = DraftGate(OPTIONS, c)
+    budgets = run(fair, 3, True, lambda b: 0.010 * ratio.get(b, 1.0), 200)
+    assert fair.mode(3) is Mode.DRAFT and fair.stats.probes == budgets.count(0)
+    assert 200 // (c.probe_every + 1) <= fair.stats.probes <= c.min_timed + 200 // c.probe_every
+
+
 def test_gate_arguments_are_checked():
     with pytest.raises(ValueError, match="min_wait"):
         GateConfig(min_wait=9, max_wait=4)

@@ -36,7 +36,12 @@ the longer it keeps failing.
 ``R_m`` is the modelled ratio until batch-1 steps of budget ``m`` and plain steps of the same
 request have both been timed (``observe_step``): then the ratio of the medians of the last
 ``time_window`` of each, which includes what the model leaves out (per-step work outside the
-forwards, caches a draft forward finds cold); only greedy requests are timed (the engine's
+forwards, caches a draft forward finds cold). A request that keeps drafting would never time a
+plain step, so a timed request's drafting is interrupted by *probe* steps, plain steps taken for
+their time: one every ``probe_every // 4`` drafted steps until ``min_timed`` plain steps are
+timed, then one every ``probe_every`` (a re-check: a step's time grows with its context). A probe
+costs one step's draft (about 1/16 of the gain at the defaults); without probes a gate that pays
+3 ms of per-step work no model counts keeps drafting at 0.97x. Only greedy requests are timed (the engine's
 choice: a sampled request's draws depend on which steps drafted, so its budgets must follow from
 its seed alone to be reproducible). Per request, because a step's time grows with its
 context: an engine serves short and long prompts one after another, and a request that stops
@@ -65,6 +70,7 @@ class GateConfig:
     max_wait: int = 64         # longest wait between trials (doubled after each failed one)
     time_window: int = 32      # a request's batch-1 step times kept per budget for its measured ratios
     min_timed: int = 4         # steps of a budget (and plain ones) timed before its measured ratio is used
+    probe_every: int = 16      # a timed request drafting takes a plain (probe) step every this many steps
 
     def __post_init__(self) -> None:
         if self.window < 1 or not self.prior_steps >= 0.0 or self.trial < 1:
@@ -74,6 +80,8 @@ class GateConfig:
             raise ValueError(f"need 1 <= min_wait <= max_wait, got {self.min_wait}, {self.max_wait}")
         if self.time_window < 1 or not 1 <= self.min_timed <= self.time_window:
             raise ValueError(f"need 1 <= min_timed <= time_window, got {self.min_timed}, {self.time_window}")
+        if self.probe_every < 4:
+            raise ValueError(f"need probe_every >= 4, got {self.probe_every}")
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,8 @@ class _SeqState:
     wait: int = 0              # the current wait between trials
     budget: int = 0            # the budget given this step
     times: dict = field(default_factory=dict)   # budget -> its latest batch-1 step times (s)
+    timed: bool = False        # its latest step was timed (batch 1, greedy): probes measure plain steps
+    since_plain: int = 0       # drafted steps since its latest plain step
 
 
 @dataclass
@@ -124,11 +134,12 @@ class GateStats:
     drafted: int = 0
     plain: int = 0
     trials: int = 0
+    probes: int = 0            # plain steps taken to time them (counted in ``plain`` too)
     budgets: dict = field(default_factory=dict)     # budget -> drafted steps
 
     def as_dict(self) -> dict:
         return {"drafted_steps": self.drafted, "plain_steps": self.plain, "trials": self.trials,
-                "budgets": dict(sorted(self.budgets.items()))}
+                "probes": self.probes, "budgets": dict(sorted(self.budgets.items()))}
 
 
 class DraftGate:
@@ -240,21 +251,36 @@ class DraftGate:
         if st.mode is Mode.WAIT:
             if st.left > 0:
                 st.left -= 1
-                st.budget = 0
-                self.stats.plain += 1
-                return 0
+                return self._plain(st)
             st.mode, st.trial_steps = Mode.TRIAL, []
             self.stats.trials += 1
         if st.mode is Mode.TRIAL:                     # the budget the request's history favours
             st.budget = self.best(self.calibration(seq_id), seq_id) or self.options[0].nodes
         else:
+            if self._probe_due(st):
+                self.stats.probes += 1
+                return self._plain(st)
             st.budget = self.best(self.calibration(seq_id), seq_id)
             if st.budget == 0:                        # plain beats every prefix: stop drafting
                 self._wait(st, self.config.min_wait)
                 return self.budget(seq_id)
+        st.since_plain += 1
         self.stats.drafted += 1
         self.stats.budgets[st.budget] = self.stats.budgets.get(st.budget, 0) + 1
         return st.budget
+
+    def _plain(self, st: _SeqState) -> int:
+        st.budget, st.since_plain = 0, 0
+        self.stats.plain += 1
+        return 0
+
+    def _probe_due(self, st: _SeqState) -> bool:
+        """Whether a drafting request takes a plain step now, to time it (see the module docstring)."""
+        if not st.timed:
+            return False
+        every = self.config.probe_every
+        short = len(st.times.get(0, ())) < self.config.min_timed
+        return st.since_plain >= (every // 4 if short else every)
 
     def observe(self, seq_id: int, drafted: int, accepted: int) -> None:
         """A step of ``seq_id`` verified ``drafted`` draft nodes and accepted ``accepted``.
@@ -293,8 +319,12 @@ class DraftGate:
         batch-1 steps feed that request's measured cost ratios. A request passed as None is not
         timed: its budgets then follow from its acceptance alone (a sampled request's output
         depends on which steps drafted, so timings would make a seeded request irreproducible)."""
+        for i in seq_ids:                             # untimed this step: no probes until timed again
+            if i is not None and i in self._seqs:
+                self._seqs[i].timed = False
         st = self._seqs.get(seq_ids[0]) if len(seq_ids) == 1 else None
         if st is not None:
+            st.timed = True
             st.times.setdefault(budgets[0], deque(maxlen=self.config.time_window)).append(time_s)
 
     def release(self, seq_id: int) -> None:
