@@ -144,6 +144,22 @@ def write_reference(args, argmaxes, outs, eos) -> None:
     harness.write_json(args.out + ".reference.json", ref, indent=None)
 
 
+def checkpoint_blocks(src) -> dict:
+    """What the checkpoint holds and what ``weights="auto"`` makes of it: for a GGUF, its decoder
+    matrices (``blk.*``) counted by block type, and auto's pick."""
+    import torch as _torch
+    from collections import Counter
+    from verispec.models.auto_weights import auto_weights
+    out = {"auto": auto_weights(src.path, src.format, _torch.float32, "cpu").value}
+    if src.format == "gguf":
+        import gguf
+        reader = gguf.GGUFReader(str(src.path))
+        kinds = Counter(t.tensor_type.name for t in reader.tensors
+                        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2)
+        out["decoder_blocks"] = dict(kinds.most_common())
+    return out
+
+
 def run(args) -> dict:
     from verispec.data import per_category, spec_bench_questions
     from verispec.models.loading import load_model, load_tokenizer
@@ -152,6 +168,7 @@ def run(args) -> dict:
     res = {"machine": harness.machine_record(), "model": args.model, "options": {},
            "settings": harness.settings(args)}
     src = resolve_model(args.model)
+    res["checkpoint"] = checkpoint_blocks(src)
     tok = load_tokenizer(src.path, src.format)
     if getattr(tok, "chat_template", None) is None:      # a base model (gemma3-270m): plain Q/A text
         from verispec.bench.runner import PLAIN_CHAT_TEMPLATE
@@ -217,6 +234,12 @@ def render(res: dict) -> str:
         lines += ["", f"`llamacpp`: llama.cpp {res['options']['llamacpp'].get('version', '')} on the same GGUF file "
                   "(its own quantised weights and kernels), perplexity from its logits over each whole "
                   "example, greedy outputs from its generate; the peer verispec is measured against."]
+    ck = res.get("checkpoint")
+    if ck:
+        blocks = ", ".join(f"{k} {n}" for k, n in ck.get("decoder_blocks", {}).items())
+        lines += ["", (f"The checkpoint's decoder matrices by GGUF block type: {blocks}. " if blocks else "") +
+                  f"`weights=\"auto\"` loads it as `{ck['auto']}` (int4 only where most decoder matrices are "
+                  "4-bit blocks, whose codes it keeps; other blocks are quantised to 4 bits a second time)."]
     if res.get("merged"):
         lines += ["", f"Rows kept from the earlier run against the same fp32 reference (`--merge`): "
                   f"{', '.join(res['merged'])}."]

@@ -33,7 +33,7 @@ STEPS = 20             # then one token at a time, across every sliding window a
 # sandwich norms rescale every attention and MLP output to unit RMS before the residual add, so its
 # error does not depend on the weights' scale. Measured on 32 tokens: a tiny Llama's int4 error is
 # 0.027 at std 0.08 and 0.32 at std 0.3, Gemma 2's 0.205 and 0.198 (int8: 0.0035 / 0.024 against
-# 0.022 / 0.022). Real weights: benchmarks/results/weights_quality_gemma3-270m.md.
+# 0.022 / 0.022).
 REL_BOUND = {"dense": 1e-5, "fp16": 5e-3, "int8": 5e-2, "int4": 0.25}
 
 
