@@ -210,6 +210,12 @@ SUITES: tuple[Suite, ...] = (
     script("train-throughput", "train_throughput.py", f"--data {REGEN} --limit 48", "train_throughput.md",
            "EAGLE-3 training throughput, online features against the feature cache", "SmolLM2, 4 x 512 tokens a step",
            needs=("regen",), group="train"),
+    script("train-throughput-qwen", "train_throughput.py",
+           "--model qwen2.5-coder-1.5b --target-weights int4-a8 --head none --draft-vocab-size 32768 "
+           "--ttt-length 3 --data runs/qwen/regen.jsonl --limit 32 --out benchmarks/results/train_throughput_qwen",
+           "train_throughput_qwen.md", "feature capture and EAGLE-3 training throughput for the Qwen-1.5B head",
+           "Qwen2.5-Coder-1.5B int4-a8 target, its own answers, a new head from the target, 4 x 512 tokens a step",
+           needs=("qwen",), group="train"),
     script("regen-throughput", "regen_throughput.py", "--max-tokens 128", "regen_throughput.md",
            "regeneration (`verispec data regenerate`) tokens/s against batch size", "SmolLM2, ShareGPT first turns",
            needs=("sharegpt",), group="train"),
