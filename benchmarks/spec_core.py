@@ -40,19 +40,13 @@ def run(methods: dict[str, LLM], prompts: list[tuple[str, list[int]]], max_token
     rows = []
     for llm in methods.values():                      # warm-up
         llm.generate([{"prompt_token_ids": prompts[0][1]}], SamplingParams(temperature=0, max_tokens=4))
-    for cat, ids in prompts:
-        ref = None
-        for name, llm in methods.items():
-            t = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": ids}], sp)[0]
-            dt = time.perf_counter() - t
-            ref = out.token_ids if ref is None else ref
-            m = out.metrics
-            rows.append({"method": name, "category": cat, "tokens": len(out.token_ids), "seconds": dt,
-                         "drafts": m.num_drafts, "accepted": m.num_accepted_tokens, "draft_tokens": m.num_draft_tokens,
-                         "acceptance_rate_per_pos": m.acceptance_rate_per_pos, "same_as_vanilla": out.token_ids == ref})
-            print(f"{cat:16s} {name:12s} {len(out.token_ids) / dt:6.2f} tok/s  tau {m.mean_acceptance_length:.2f}",
-                  flush=True)
+    for g in harness.generate_interleaved(methods, prompts, sp):
+        out, m = g.output, g.output.metrics
+        rows.append({"method": g.method, "category": g.category, "tokens": len(out.token_ids), "seconds": g.seconds,
+                     "drafts": m.num_drafts, "accepted": m.num_accepted_tokens, "draft_tokens": m.num_draft_tokens,
+                     "acceptance_rate_per_pos": m.acceptance_rate_per_pos, "same_as_vanilla": g.same_as_first})
+        print(f"{g.category:16s} {g.method:12s} {len(out.token_ids) / g.seconds:6.2f} tok/s  "
+              f"tau {m.mean_acceptance_length:.2f}", flush=True)
     return summarize(rows, list(methods))
 
 

@@ -95,22 +95,16 @@ def run(target, prompts: list[tuple[str, list[int]]], max_tokens: int, methods: 
             llms[name].generate(warm, SamplingParams(temperature=0, max_tokens=8))
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
     rows = []
-    for i, (cat, ids) in enumerate(prompts):
-        ref = None
-        for name, llm in llms.items():
-            t = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": ids}], sp)[0]
-            dt = time.perf_counter() - t
-            ref = out.token_ids if ref is None else ref
-            m = out.metrics
-            rows.append({"request": i, "method": name, "category": cat, "prompt_tokens": len(ids),
-                         "tokens": len(out.token_ids), "seconds": dt, "steps": m.num_steps, "drafts": m.num_drafts,
-                         "draft_tokens": m.num_draft_tokens, "accepted": m.num_accepted_tokens,
-                         "draft_s": m.draft_time_s, "same_as_vanilla": out.token_ids == ref,
-                         **({"text": out.text} if name == "vanilla" else {})})
-            print(f"{i:2d} {cat:15s} {name:10s} {len(out.token_ids) / dt:6.2f} tok/s  tau "
-                  f"{m.mean_acceptance_length:.2f}  tokens/step {len(out.token_ids) / max(1, m.num_steps):.2f}",
-                  flush=True)
+    for g in harness.generate_interleaved(llms, prompts, sp):
+        out, m = g.output, g.output.metrics
+        rows.append({"request": g.index, "method": g.method, "category": g.category, "prompt_tokens": len(g.prompt_ids),
+                     "tokens": len(out.token_ids), "seconds": g.seconds, "steps": m.num_steps, "drafts": m.num_drafts,
+                     "draft_tokens": m.num_draft_tokens, "accepted": m.num_accepted_tokens,
+                     "draft_s": m.draft_time_s, "same_as_vanilla": g.same_as_first,
+                     **({"text": out.text} if g.method == "vanilla" else {})})
+        print(f"{g.index:2d} {g.category:15s} {g.method:10s} {len(out.token_ids) / g.seconds:6.2f} tok/s  tau "
+              f"{m.mean_acceptance_length:.2f}  tokens/step {len(out.token_ids) / max(1, m.num_steps):.2f}",
+              flush=True)
     return summarize(rows, list(llms))
 
 

@@ -104,6 +104,26 @@ def test_interleave_runs_every_method_once_per_round():
     assert harness.medians({"x": [3.0, 1.0, 2.0]}, 1e3) == {"x": 2000.0}
 
 
+def test_generate_interleaved_runs_each_prompt_through_every_method():
+    """Prompt by prompt, every method in turn, each output compared with the first method's."""
+    from types import SimpleNamespace
+    calls = []
+
+    def fake(name, flip):
+        def generate(reqs, params):
+            ids = reqs[0]["prompt_token_ids"]
+            calls.append((name, tuple(ids), params))
+            return [SimpleNamespace(token_ids=[ids[0] + (flip and ids[0] == 2)])]
+        return SimpleNamespace(generate=generate)
+    llms = {"vanilla": fake("vanilla", False), "spec": fake("spec", True)}
+    got = list(harness.generate_interleaved(llms, [("a", [1, 9]), ("b", [2])], "params"))
+    assert [c[:2] for c in calls] == [("vanilla", (1, 9)), ("spec", (1, 9)), ("vanilla", (2,)), ("spec", (2,))]
+    assert all(c[2] == "params" for c in calls)
+    assert [(g.index, g.category, g.method, g.same_as_first) for g in got] == [
+        (0, "a", "vanilla", True), (0, "a", "spec", True), (1, "b", "vanilla", True), (1, "b", "spec", False)]
+    assert all(g.seconds >= 0 for g in got) and got[3].prompt_ids == [2]
+
+
 def test_run_trees_rounds_over_source_trees(tmp_path):
     script = tmp_path / "w.py"
     script.write_text("import json, os, sys\nprint('noise')\n"

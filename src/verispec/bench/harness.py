@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -264,6 +264,31 @@ def interleave(methods: dict[str, Callable[[], Any]], rounds: int, *, rotate: bo
             value = methods[n]()
             out[n].append(time.perf_counter() - t0 if timed else value)
     return out
+
+
+class Generated(NamedTuple):
+    """One prompt's output from one method (``generate_interleaved``)."""
+    index: int                 # the prompt's place in the list
+    category: str
+    prompt_ids: list[int]
+    method: str
+    output: Any                # the method's ``RequestOutput``
+    seconds: float             # wall time of its ``generate`` call
+    same_as_first: bool        # its tokens equal the first method's on this prompt
+
+
+def generate_interleaved(llms: dict[str, Any], prompts: list[tuple[str, list[int]]], params) -> Iterator[Generated]:
+    """Each ``(category, prompt ids)`` through every ``LLM`` in turn (methods interleaved per
+    prompt, so drift on the machine falls on all alike), one request at a time, timed; each
+    output is compared with the first method's (vanilla, where it comes first)."""
+    for i, (cat, ids) in enumerate(prompts):
+        first = None
+        for name, llm in llms.items():
+            t0 = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": ids}], params)[0]
+            dt = time.perf_counter() - t0
+            first = out.token_ids if first is None else first
+            yield Generated(i, cat, ids, name, out, dt, out.token_ids == first)
 
 
 def medians(samples: dict[str, list[float]], scale: float = 1.0) -> dict[str, float]:
