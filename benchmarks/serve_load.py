@@ -52,17 +52,18 @@ class Server:
         cmd = [sys.executable, "-m", "verispec.serve", "--model", args.model, "--port", str(self.port),
                "--max-num-seqs", str(max(args.levels)), "--max-model-len", str(args.max_model_len),
                "--max-prompt-tokens", str(args.max_model_len), "--num-threads", str(args.num_threads),
-               "--weights", args.weights, "--log-level", "warning", *extra]
+               "--weights", args.weights, "--log-level", "warning", "--compile" if args.compile else "--no-compile",
+               *extra]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.num_threads), PYTHONPATH=str(ROOT / "src"))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
+    def wait_ready(self, timeout: float = 900.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {Path(self.log.name).read_text()[-3000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:      # after the warm-up
                     return
             except httpx.HTTPError:
                 pass
@@ -259,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-level", type=int, default=8)
     p.add_argument("--level-budget-s", type=float, default=30.0)
     p.add_argument("--num-threads", type=int, default=1)
-    p.add_argument("--weights", choices=("dense", "fp16"), default="dense",
-                   help="server --weights (fp16: FBGEMM fp16-packed matmul weights)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="the server's compiled forwards (its default)")
+    p.add_argument("--weights", choices=("auto", "dense", "fp16", "int4", "int4-a8", "int8"), default="dense",
+                   help="server --weights (auto: the server's default, the fastest faithful weights)")
     p.add_argument("--questions-per-category", type=int, default=4)
     p.add_argument("--configs", default="baseline,speculative,speculative+policy")
     p.add_argument("--render", metavar="JSON", help="rewrite the Markdown of this saved JSON result "

@@ -52,11 +52,12 @@ class Server:
         cmd = [sys.executable, "-m", "verispec.serve", "--model", args.model, "--port", str(port),
                "--weights", args.weights, "--max-num-seqs", str(args.max_num_seqs), "--max-queue", str(args.max_queue),
                "--max-model-len", "512", "--max-prompt-tokens", "256", "--request-timeout", "120",
-               "--speculative-config", args.speculative_config, "--log-level", "warning"]
+               "--speculative-config", args.speculative_config, "--log-level", "warning",
+               "--compile" if args.compile else "--no-compile"]
         env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
-    def wait_ready(self, timeout: float = 180) -> None:
+    def wait_ready(self, timeout: float = 900) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -287,6 +288,8 @@ def parse_args(argv=None) -> argparse.Namespace | None:
     p.add_argument("--kill-after", type=float, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weights", default="fp16")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="the server's compiled forwards (its default)")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=32)
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')

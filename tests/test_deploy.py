@@ -100,7 +100,9 @@ def test_image_entry_command_serves_health_and_drains(tmp_path):
     argv = [sys.executable, "-m", "verispec.cli"] + argv[1:]
     argv[argv.index("--host") + 1], argv[argv.index("--port") + 1] = "127.0.0.1", str(port)  # loopback only
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(argv + ["--num-threads", "1"], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+    # --no-compile: the image compiles at start-up (minutes of the suite's 2 cores); /ready waits for that
+    proc = subprocess.Popen(argv + ["--num-threads", "1", "--no-compile"], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=tmp_path,
                             env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"),
                                  "VERISPEC_CHECKPOINTS": str(ROOT / "checkpoints")})
     try:
@@ -108,12 +110,13 @@ def test_image_entry_command_serves_health_and_drains(tmp_path):
         while time.monotonic() < deadline:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200 and \
+                        httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.25)
         else:
-            pytest.fail("the entry command never answered /health: " + shlex.join(argv))
+            pytest.fail("the entry command never turned /health and /ready true: " + shlex.join(argv))
         assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200

@@ -72,6 +72,8 @@ class ServerProcess:
                "--num-threads", "1", "--log-level", "warning", *args]
         if "--weights" not in args:         # references are dense fp32 decodes (the server's default is auto)
             cmd += ["--weights", "dense"]
+        if "--compile" not in args:         # compiling costs minutes of the suite's 2 cores (default: on)
+            cmd += ["--no-compile"]
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
@@ -89,7 +91,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if self.http.get("/health", timeout=2).status_code == 200:
+                if self.http.get("/ready", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -673,6 +675,35 @@ def test_engine_errors_fail_requests_but_not_the_server(llm):
         ok = srv.post(body)
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == _ref(llm, "The sky is", 8).text
         assert srv.scheduler._thread.is_alive() and httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_ready_only_after_the_warm_up(llm, monkeypatch):
+    """With ``warmup`` the scheduler decodes before serving: /ready is 503 "warming up" until that
+    is over (/health is 200 all along), a request sent meanwhile waits and is answered after it."""
+    from verispec.serve.scheduler import Scheduler
+    gate, entered = threading.Event(), threading.Event()
+    real = Scheduler.warm_up
+
+    def held(self):
+        entered.set()
+        gate.wait(30)
+        return real(self)
+    monkeypatch.setattr(Scheduler, "warm_up", held)
+    body = {"model": MODEL, "prompt": "The sky is", "max_tokens": 8, "temperature": 0}
+    with InProcessServer(llm, max_num_seqs=2, warmup=True) as srv:
+        assert entered.wait(30)
+        ready = httpx.get(srv.url + "/ready")
+        assert ready.status_code == 503 and "warming up" in ready.json()["error"]["message"]
+        assert httpx.get(srv.url + "/health").status_code == 200
+        early = []
+        sender = threading.Thread(target=lambda: early.append(srv.post(body)))
+        sender.start()
+        time.sleep(0.3)
+        assert not early                                    # queued behind the warm-up
+        gate.set()
+        sender.join(60)
+        assert early[0].status_code == 200 and early[0].json()["choices"][0]["text"] == _ref(llm, "The sky is", 8).text
+        assert httpx.get(srv.url + "/ready").status_code == 200 and srv.scheduler.warmed.is_set()
 
 
 def test_medusa_typical_acceptance_through_http_is_applied_and_reported(llm):

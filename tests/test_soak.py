@@ -33,7 +33,7 @@ def _check(rep: dict) -> None:
 def test_short_soak_with_faults():
     soak = _soak()
     _check(soak.run(soak.parse_args(["--duration", "12", "--users", "6", "--burst", "30", "--max-queue", "8",
-                                     "--kill-after", "2", "--max-num-seqs", "4"])))
+                                     "--kill-after", "2", "--max-num-seqs", "4", "--no-compile"])))
 
 
 @pytest.mark.slow

@@ -87,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_weights_argument(p)
     add_device_argument(p)
     p.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the decode and verify forwards through torch.compile (default: on; the graphs "
+                        "are compiled by a warm-up before /ready turns true, once per process, and inductor "
+                        "keeps its kernels on disk for the next start)")
     p.add_argument("--shutdown-grace", type=_positive_float, default=10.0, metavar="SECONDS",
                    help="on shutdown, time given to running requests to finish (default: 10)")
     p.add_argument("--prompt-denylist", default=None, metavar="FILE",
@@ -152,7 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm = LLM(args.model, dtype=args.dtype, weights=args.weights, speculative_config=spec, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, num_threads=args.num_threads,
                   prefix_cache_mb=args.prefix_cache_mb, prefix_cache_block_size=args.prefix_cache_block_size,
-                  device=args.device)
+                  device=args.device, compile=args.compile)
     except Exception as e:          # noqa: BLE001 - any loading failure ends the command
         print(f"verispec serve: cannot load {args.model!r}: {e}", file=sys.stderr)
         return 1
@@ -160,15 +164,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
                       max_queue=args.max_queue, request_timeout=args.request_timeout,
                       response_cache=args.response_cache, policy=policy, shutdown_grace_s=args.shutdown_grace,
-                      prompt_denylist=denylist, audit_log=args.audit_log, audit_log_prompts=args.audit_log_prompts)
+                      prompt_denylist=denylist, audit_log=args.audit_log, audit_log_prompts=args.audit_log_prompts,
+                      warmup=True)
     from ..serve.drain import DrainingServer
     app = create_app(llm, cfg)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=int(args.shutdown_grace) + 1,
                                            access_log=args.log_level == "debug"), app.state.server, args.shutdown_grace)
     logging.getLogger("verispec.serve").info(
-        "serving %s on http://%s:%d (device=%s, max_num_seqs=%d, max_model_len=%d, speculation=%s, policy=%s, "
-        "prefix_cache_mb=%g)", args.model, args.host, args.port, llm.device, args.max_num_seqs, llm.max_model_len,
+        "serving %s on http://%s:%d (device=%s, weights=%s, compile=%s, max_num_seqs=%d, max_model_len=%d, "
+        "speculation=%s, policy=%s, prefix_cache_mb=%g); /ready after the warm-up", args.model, args.host, args.port,
+        llm.device, llm.target.weights.value, args.compile, args.max_num_seqs, llm.max_model_len,
         llm.spec.as_dict() if llm.spec else None, type(policy).__name__ if policy else None, args.prefix_cache_mb)
     server.run()
     return 0 if server.started else 1

@@ -68,6 +68,7 @@ class ServeConfig:
     prompt_denylist: PromptDenylist | None = None   # prompts matching a pattern are refused (400)
     audit_log: str | None = None                    # JSONL file: one line per request
     audit_log_prompts: bool = False                 # ... with the prompt text
+    warmup: bool = False                            # decode a short prompt (batch 1, then 2) before /ready
 
     @property
     def max_body_bytes(self) -> int:
@@ -220,10 +221,12 @@ def _install_info_routes(app: FastAPI, pipe: RequestPipeline, metrics: ServerMet
 
     @app.get("/ready")
     async def ready() -> Response:
-        """Readiness: alive and taking new requests (false at once when a drain begins)."""
+        """Readiness: alive, warmed up and taking new requests (false at once when a drain begins)."""
         if not pipe.alive or pipe.draining:
             return error_response(503, "the server is draining" if pipe.draining else "the scheduler is not running",
                                   "service_unavailable")
+        if not pipe.warmed:
+            return error_response(503, "the server is warming up (compiling its forwards)", "service_unavailable")
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")

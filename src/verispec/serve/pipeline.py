@@ -60,12 +60,17 @@ class RequestPipeline:
         self.scheduler = Scheduler(self.llm, max_num_seqs=self.cfg.max_num_seqs,
                                    max_model_len=self.cfg.max_model_len, metrics=self.metrics,
                                    max_queue=self.cfg.max_queue, request_timeout=self.cfg.request_timeout,
-                                   policy=self.cfg.policy, decode=self.decode)
+                                   policy=self.cfg.policy, decode=self.decode, warmup=self.cfg.warmup)
         self.scheduler.start()
 
     @property
     def alive(self) -> bool:
         return self.scheduler is not None and self.scheduler.alive
+
+    @property
+    def warmed(self) -> bool:
+        """The scheduler's warm-up is over (requests sent before it wait in the queue)."""
+        return self.scheduler is not None and self.scheduler.warmed.is_set()
 
     # -- the two completion endpoints ------------------------------------------------------
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
