@@ -225,12 +225,17 @@ class Scheduler:
     def warm_up(self) -> float:
         """Decode 8 tokens of a short prompt alone, then two at once, through the model's own
         ``LLM.generate`` (the same forwards the engine uses, compiled graphs shared per model).
-        Returns the seconds it took. Lossless and unobservable: nothing reaches a request."""
+        Returns the seconds it took. Lossless and unobservable: nothing reaches a request, and
+        the prefix cache is left out (its blocks and counters are the requests' alone)."""
         t0 = time.perf_counter()
         ids = self.llm.tokenizer("Hello, how are you?", add_special_tokens=False).input_ids or [0]
         params = SamplingParams(temperature=0.0, max_tokens=8)
-        for batch in (1, 2):
-            self.llm.generate([{"prompt_token_ids": ids}] * batch, params)
+        cache, self.llm.prefix_cache = self.llm.prefix_cache, None
+        try:
+            for batch in (1, 2):
+                self.llm.generate([{"prompt_token_ids": ids}] * batch, params)
+        finally:
+            self.llm.prefix_cache = cache
         return time.perf_counter() - t0
 
     def _run(self) -> None:
