@@ -323,8 +323,45 @@ def test_offline_feature_cache_gives_the_online_inputs(tmp_path, single_thread, 
     assert torch.equal(online.valid, cached.valid) and online.valid.any()
     with pytest.raises(ValueError, match="needs"):
         FeatureStore(tmp_path / "f", layers[:2], target.cfg.hidden_size)
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match="made with"):           # other settings: refused
         write_features(target, data, tmp_path / "f", layers, progress=False)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="no feature-cache index"):
+        write_features(target, data, tmp_path / "other", layers, progress=False)
+
+
+def test_an_interrupted_feature_pass_resumes(tmp_path, single_thread):
+    """The index is written after every shard: a pass stopped midway is refused by the trainer
+    until a rerun with the same arguments computes the missing sequences only."""
+    from verispec.train.features import FeatureStore, write_features
+    target = tiny_target()
+    data = tiny_examples(5)
+    layers = tiny_task(target, data).module.head.aux_layers
+    calls, real = [], target.forward
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    target.forward = failing
+    with pytest.raises(KeyboardInterrupt):
+        write_features(target, data, tmp_path / "f", layers, dtype="fp32", shard_sequences=2, progress=False)
+    with pytest.raises(ValueError, match="interrupted"):
+        FeatureStore(tmp_path / "f", layers, target.cfg.hidden_size)
+    calls.clear()
+    target.forward = lambda *a, **k: calls.append(1) or real(*a, **k)
+    write_features(target, data, tmp_path / "f", layers, dtype="fp32", shard_sequences=2, progress=False)
+    assert len(calls) == 3                                   # the first shard's 2 sequences were kept
+    store = FeatureStore(tmp_path / "f", layers, target.cfg.hidden_size)
+    fresh = tmp_path / "g"
+    target.forward = real
+    write_features(target, data, fresh, layers, dtype="fp32", shard_sequences=2, progress=False)
+    again = FeatureStore(fresh, layers, target.cfg.hidden_size)
+    for ex in data:
+        a, b = store.get(ex.id, len(ex.input_ids)), again.get(ex.id, len(ex.input_ids))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_cli_trains_an_eagle3_head_that_decodes_losslessly(llm, tmp_path):

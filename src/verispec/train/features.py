@@ -31,34 +31,63 @@ def estimate_bytes(examples: list[TokenizedExample], hidden: int, n_layers: int,
     return sum(len(e.input_ids) for e in examples) * hidden * (n_layers + 1) * per
 
 
+def _index(out: Path, meta: dict, shards: dict[str, str], complete: bool) -> None:
+    """Rewrite ``index.json`` atomically: the settings, the shard of each sequence written so far
+    and whether the pass is over."""
+    tmp = out / "index.json.tmp"
+    tmp.write_text(json.dumps({**meta, "shards": shards, "complete": complete}))
+    tmp.replace(out / "index.json")
+
+
+def _resume(out: Path, meta: dict) -> dict[str, str]:
+    """The shards already written to ``out`` by an interrupted pass with the same settings
+    (``{}`` for a new or empty folder); anything else in the way is an error."""
+    if not out.exists() or not any(out.iterdir()):
+        return {}
+    try:
+        index = json.loads((out / "index.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raise FileExistsError(f"{out} is not empty and holds no feature-cache index; pick a new folder") from None
+    theirs = {k: index.get(k) for k in meta}
+    if theirs != meta:
+        raise FileExistsError(f"{out} holds a feature cache made with {theirs}, not {meta}; pick a new folder")
+    return dict(index["shards"])
+
+
 @torch.no_grad()
 def write_features(target, examples: list[TokenizedExample], out_dir: str | Path, layers: tuple[int, ...],
                    *, dtype: str = "bf16", shard_sequences: int = 256, model_name: str = "",
                    progress: bool = True) -> Path:
-    """Run ``target`` over ``examples`` and write the cache; prints its size before writing."""
+    """Run ``target`` over ``examples`` and write the cache; prints its size before writing.
+    Resumable: ``index.json`` is rewritten after every shard (``complete`` false until the end),
+    and a rerun into the same folder with the same settings computes only the sequences whose
+    shard is not written yet (a folder holding anything else is refused)."""
     from tqdm.auto import tqdm
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty; pick a new folder")
-    size = estimate_bytes(examples, target.cfg.hidden_size, len(layers), dtype)
-    print(f"feature cache: {len(examples)} sequences, {size / 2**30:.2f} GiB ({dtype}) -> {out}", file=sys.stderr)
+    meta = {"layers": list(layers), "dtype": dtype, "model": model_name, "hidden_size": target.cfg.hidden_size}
+    shards = _resume(out, meta)
+    todo = [ex for ex in examples if ex.id not in shards]
+    size = estimate_bytes(todo, target.cfg.hidden_size, len(layers), dtype)
+    print(f"feature cache: {len(examples)} sequences, {len(examples) - len(todo)} already written; "
+          f"{size / 2**30:.2f} GiB ({dtype}) to write -> {out}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
-    shards: dict[str, str] = {}
     buf: dict[str, torch.Tensor] = {}
-    n_shard = 0
+    pending: dict[str, str] = {}
+    n_shard = 1 + max((int(f[len("shard-"):-len(".safetensors")]) for f in shards.values()), default=-1)
     dev = module_device(target)
-    for k, ex in enumerate(tqdm(examples, desc="features", unit="seq", disable=not progress)):
+    for k, ex in enumerate(tqdm(todo, desc="features", unit="seq", disable=not progress)):
         ids = torch.tensor([ex.input_ids], device=dev)
         o = target(ids, torch.arange(ids.shape[1], device=dev)[None], hidden_layers=tuple(set(layers)),
                    compute_logits=False)
         buf[f"{ex.id}.hidden"] = torch.cat([o.hidden[i][0] for i in layers], -1).to(DTYPES[dtype]).cpu().contiguous()
         buf[f"{ex.id}.last"] = o.last_hidden[0].to(DTYPES[dtype]).cpu().contiguous()
-        shards[ex.id] = f"shard-{n_shard:05d}.safetensors"
-        if len(buf) // 2 >= shard_sequences or k == len(examples) - 1:
-            save_file(buf, str(out / shards[ex.id]))
-            buf, n_shard = {}, n_shard + 1
-    (out / "index.json").write_text(json.dumps({"layers": list(layers), "dtype": dtype, "model": model_name,
-                                                "hidden_size": target.cfg.hidden_size, "shards": shards}))
+        pending[ex.id] = f"shard-{n_shard:05d}.safetensors"
+        if len(buf) // 2 >= shard_sequences or k == len(todo) - 1:
+            save_file(buf, str(out / pending[ex.id]))
+            shards.update(pending)
+            _index(out, meta, shards, complete=False)
+            buf, pending, n_shard = {}, {}, n_shard + 1
+    _index(out, meta, shards, complete=True)
     return out
 
 
@@ -71,6 +100,9 @@ class FeatureStore:
             self.index = json.loads((self.folder / "index.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{self.folder} is not a feature cache (index.json: {e})") from e
+        if not self.index.get("complete", True):
+            raise ValueError(f"{self.folder}: the feature pass that writes this cache was interrupted; rerun "
+                             "`verispec data features` with the same arguments to finish it")
         if tuple(self.index["layers"]) != tuple(layers) or self.index["hidden_size"] != hidden_size:
             raise ValueError(f"feature cache has layers {self.index['layers']} / hidden {self.index['hidden_size']}, "
                              f"the trainer needs {list(layers)} / {hidden_size}")
