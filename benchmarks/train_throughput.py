@@ -74,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     t_feat = _run(VERISPEC + ["data", "features", *common, "--out", str(feats), "--dtype", "fp16", "--quiet"])
     index = json.loads((feats / "index.json").read_text())
     cache_bytes = sum(f.stat().st_size for f in feats.iterdir())
-    start = ["--head-init", "target"] + (["--draft-vocab-size", str(args.draft_vocab_size)]
-                                         if args.draft_vocab_size else []) if args.head == "none" \
-        else ["--init-from", args.head]
+    if args.head != "none":
+        start = ["--init-from", args.head]
+    else:
+        start = ["--head-init", "target"]
+        if args.draft_vocab_size:
+            start += ["--draft-vocab-size", str(args.draft_vocab_size)]
     train = ["train", "eagle3", *common, *start, "--ttt-length", str(args.ttt_length), "--batch-size", "4",
              "--micro-batch-size", "4", "--max-steps", str(args.steps), "--log-every", "1", "--save-every", "1000",
              "--dtype", "bf16", "--quiet"]

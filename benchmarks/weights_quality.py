@@ -147,16 +147,11 @@ def write_reference(args, argmaxes, outs, eos) -> None:
 def checkpoint_blocks(src) -> dict:
     """What the checkpoint holds and what ``weights="auto"`` makes of it: for a GGUF, its decoder
     matrices (``blk.*``) counted by block type, and auto's pick."""
-    import torch as _torch
     from collections import Counter
-    from verispec.models.auto_weights import auto_weights
-    out = {"auto": auto_weights(src.path, src.format, _torch.float32, "cpu").value}
+    from verispec.models.auto_weights import auto_weights, decoder_block_types
+    out = {"auto": auto_weights(src.path, src.format, torch.float32, "cpu").value}
     if src.format == "gguf":
-        import gguf
-        reader = gguf.GGUFReader(str(src.path))
-        kinds = Counter(t.tensor_type.name for t in reader.tensors
-                        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2)
-        out["decoder_blocks"] = dict(kinds.most_common())
+        out["decoder_blocks"] = dict(Counter(decoder_block_types(src.path)).most_common())
     return out
 
 
@@ -175,8 +170,8 @@ def run(args) -> dict:
         tok.chat_template = PLAIN_CHAT_TEMPLATE
         res["plain_text"] = True
     examples = heldout_examples(tok, args.conversations, args.max_length)
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
-                                           add_generation_prompt=True), add_special_tokens=False).input_ids
+    from verispec.bench.runner import chat_ids
+    prompts = [chat_ids(tok, [{"role": "user", "content": q["turns"][0]}])
                for q in per_category(spec_bench_questions(), args.per_category)]
     ref_argmax = ref_out = eos = None
     wanted = [w for w in args.weights.split(",") if w not in ("dense", "llamacpp")]

@@ -23,12 +23,18 @@ AUTO = "auto"
 _FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 
 
-def four_bit_share(path: str | Path) -> float:
-    """The share of a GGUF's decoder-layer matrices (``blk.*`` 2-D weights) stored in 4-bit blocks."""
+def decoder_block_types(path: str | Path) -> list[str]:
+    """The GGUF block type (``Q4_K``, ``Q5_0``, ``F16``...) of each decoder-layer matrix (``blk.*``
+    2-D weights) of the GGUF at ``path``."""
     import gguf
     reader = gguf.GGUFReader(str(path))
-    kinds = [t.tensor_type.name for t in reader.tensors
-             if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2]
+    return [t.tensor_type.name for t in reader.tensors
+            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2]
+
+
+def four_bit_share(path: str | Path) -> float:
+    """The share of a GGUF's decoder-layer matrices stored in 4-bit blocks."""
+    kinds = decoder_block_types(path)
     return sum(k in _FOUR_BIT for k in kinds) / len(kinds) if kinds else 0.0
 
 
