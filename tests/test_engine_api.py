@@ -16,7 +16,7 @@ from verispec.core.params import SamplingParams
 from verispec.core.tree import DraftTree
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "verispec"
-ENGINE_FIELDS = {"free_rows", "cache", "running", "_drafter", "acceptance", "stats", "eos", "max_context", "model"}
+ENGINE_FIELDS = {"free_rows", "cache", "running", "prefilling", "_drafter", "acceptance", "stats", "eos", "max_context", "model"}
 
 
 class _Chain(StatelessDrafter):

@@ -623,7 +623,7 @@ class InProcessServer:
         import uvicorn
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(llm, ServeConfig(model_name=MODEL, max_model_len=256, **cfg))
+        self.app = create_app(llm, ServeConfig(**{"model_name": MODEL, "max_model_len": 256, **cfg}))
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -648,11 +648,14 @@ class InProcessServer:
         return httpx.post(self.url + "/v1/completions", json=body, timeout=60)
 
 
-def test_engine_errors_fail_requests_but_not_the_server(llm):
+@pytest.mark.parametrize("prefill_chunk", [None, 128])
+def test_engine_errors_fail_requests_but_not_the_server(llm, prefill_chunk):
+    """A failed step fails the running requests, a failed prefill (whole, or one chunk) fails that
+    request: 500 with the reason, rows given back, and the next request is served."""
     body = {"model": MODEL, "prompt": "The sky is", "max_tokens": 8, "temperature": 0}
-    with InProcessServer(llm, max_num_seqs=2) as srv:
+    with InProcessServer(llm, max_num_seqs=2, prefill_chunk=prefill_chunk) as srv:
         eng = srv.scheduler.engine
-        real_step, real_prefill = eng.step, eng._prefill
+        real_step, real_model = eng.step, eng.model
         calls = {"step": 0, "prefill": 0}
 
         def bad_step(*args):
@@ -660,21 +663,58 @@ def test_engine_errors_fail_requests_but_not_the_server(llm):
             eng.step = real_step
             raise RuntimeError("simulated kernel failure")
 
-        def bad_prefill(*args):               # inside Engine.add, after it took a row
-            calls["prefill"] += 1
-            eng._prefill = real_prefill
-            raise RuntimeError("simulated prefill failure")
+        class BadModel(torch.nn.Module):      # the prefill forward, after admission took a row
+            cfg = real_model.cfg
+
+            def forward(self, *args, **kw):
+                calls["prefill"] += 1
+                eng.model = real_model
+                raise RuntimeError("simulated prefill failure")
         eng.step = bad_step
         r = srv.post(body)
         assert r.status_code == 500 and "simulated kernel failure" in r.json()["error"]["message"]
-        eng._prefill = bad_prefill
+        eng.model = BadModel()
         r = srv.post(body)
         assert r.status_code == 500 and "simulated prefill failure" in r.json()["error"]["message"]
         assert calls == {"step": 1, "prefill": 1}
-        assert sorted(eng.free_rows) == [0, 1] and not eng.running        # Engine.add is all or nothing
+        assert sorted(eng.free_rows) == [0, 1] and not eng.running and not eng.num_prefilling
         ok = srv.post(body)
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == _ref(llm, "The sky is", 8).text
         assert srv.scheduler._thread.is_alive() and httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_a_long_prompt_is_prefilled_between_the_steps_of_running_streams(llm):
+    """With chunked prefill a long prompt that arrives while a stream decodes is prefilled one
+    chunk per round, the stream stepping between its chunks; both answers are ``LLM.generate``'s."""
+    long_prompt = "Summarise: " + " ".join(f"item {i} is {i * i}." for i in range(64))
+    n_long = len(llm.tokenizer(long_prompt).input_ids)
+    with InProcessServer(llm, max_num_seqs=2, max_model_len=1024, prefill_chunk=128) as srv:
+        eng = srv.scheduler.engine
+        calls, real_step, real_prefill = [], eng.step, eng.prefill_step
+
+        def step(*a):
+            calls.append("step")
+            return real_step(*a)
+
+        def prefill_step(n):
+            calls.append(("prefill", n))
+            return real_prefill(n)
+        eng.step, eng.prefill_step = step, prefill_step
+        stream_body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0,
+                       "ignore_eos": True, "stream": True}
+        got = {}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=stream_body, timeout=120) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: {"))
+            text = json.loads(next(lines)[6:])["choices"][0]["text"]
+            sender = threading.Thread(target=lambda: got.update(long=srv.post(
+                {"model": MODEL, "prompt": long_prompt, "max_tokens": 8, "temperature": 0})))
+            sender.start()
+            text += "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines)
+        sender.join(120)
+    chunked = [i for i, c in enumerate(calls) if c == ("prefill", 128)]     # rounds with a stream running
+    assert 500 < n_long < 1024 - 8 and len(chunked) >= 2 and "step" in calls[chunked[0]:chunked[-1]]
+    assert got["long"].json()["choices"][0]["text"] == _ref(llm, long_prompt, 8).text
+    assert text == _ref(llm, "Once upon a time", 300, ignore_eos=True).text
 
 
 def test_ready_only_after_the_warm_up(llm, monkeypatch):

@@ -14,6 +14,7 @@ import os
 import sys
 
 from ..models.device import add_device_argument, add_weights_argument
+from ..serve.scheduler import DEFAULT_PREFILL_CHUNK, MIN_PREFILL_CHUNK
 
 POLICY_KEY = "num_speculative_tokens_per_batch_size"
 
@@ -39,6 +40,13 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
     if not 0 <= v < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return v
+
+
+def _prefill_chunk(text: str) -> int:
+    v = _non_negative_int(text)
+    if 0 < v < MIN_PREFILL_CHUNK:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least {MIN_PREFILL_CHUNK}, got {v}")
     return v
 
 
@@ -91,6 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the decode and verify forwards through torch.compile (default: on; the graphs "
                         "are compiled by a warm-up before /ready turns true, once per process, and inductor "
                         "keeps its kernels on disk for the next start)")
+    p.add_argument("--prefill-chunk", type=_prefill_chunk, default=DEFAULT_PREFILL_CHUNK, metavar="TOKENS",
+                   help="chunked prefill: prompt tokens prefilled per scheduling round while other requests "
+                        f"decode, at least {MIN_PREFILL_CHUNK}; 0: each prompt whole at admission, stalling "
+                        f"the running streams (default: {DEFAULT_PREFILL_CHUNK})")
     p.add_argument("--shutdown-grace", type=_positive_float, default=10.0, metavar="SECONDS",
                    help="on shutdown, time given to running requests to finish (default: 10)")
     p.add_argument("--prompt-denylist", default=None, metavar="FILE",
@@ -165,7 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_queue=args.max_queue, request_timeout=args.request_timeout,
                       response_cache=args.response_cache, policy=policy, shutdown_grace_s=args.shutdown_grace,
                       prompt_denylist=denylist, audit_log=args.audit_log, audit_log_prompts=args.audit_log_prompts,
-                      warmup=True)
+                      warmup=True, prefill_chunk=args.prefill_chunk or None)
     from ..serve.drain import DrainingServer
     app = create_app(llm, cfg)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -10,9 +10,10 @@ sees them. It knows nothing about tokenization (stop strings are the output laye
 
 Continuous batching: ``add`` sequences at any time between ``step`` calls; finished sequences free
 their rows at once. What a scheduler needs is offered here and nowhere else: ``can_admit``,
-``add`` / ``add_many`` (all or nothing: a failure leaves no row taken), ``abort``, and a per-step
-draft budget (``step(budget=k)`` caps every tree at its first k nodes, 0 = plain decoding), with
-a ``StepReport`` of what the step ran.
+``add`` / ``add_many`` (all or nothing: a failure leaves no row taken), chunked prefill
+(``begin`` takes a row, ``prefill_step(n)`` prefills at most n prompt tokens between two steps;
+see ``prefill``), ``abort``, and a per-step draft budget (``step(budget=k)`` caps every tree at
+its first k nodes, 0 = plain decoding), with a ``StepReport`` of what the step ran.
 
 Prefix caching (``prefix_cache``, see ``prefix_cache``): at admission a sequence whose prompt starts
 with cached blocks gets their K/V copied into its row and prefills only the rest (positions from
@@ -41,6 +42,7 @@ from .metrics import SpecStats
 from ..models.kv_cache import KVCache
 from ..models.transformer import Transformer
 from .params import SamplingParams
+from .prefill import PrefillJob, chunked_prefill, run_all
 from .prefix_cache import CacheLayout, PrefixCache, PrefixHit, features_to, num_positions
 from .sampling import make_generator, sample
 from .tree import DraftTree
@@ -121,6 +123,7 @@ class Engine:
         self.max_context = min(max_context or max_len, max_len - 1 - self.max_tree_nodes)
         self.free_rows = list(range(max_batch))[::-1]
         self.running: list[Sequence] = []
+        self.prefilling: list[PrefillJob] = []     # admitted by ``begin``, prompt not done yet
         self.stats = SpecStats(acceptance=acceptance.name, lossy=acceptance.lossy)
         self._prefix_cache = prefix_cache
         self._feature_log: dict[int, list[TargetFeatures]] = {}   # seq_id -> features of committed slots
@@ -159,29 +162,16 @@ class Engine:
         """Prefill several sequences (one right-padded forward when their prompts are short). All
         or nothing: when anything fails, no sequence is running and every row taken is free."""
         for seq in seqs:
-            n = len(seq.prompt_ids)
-            if n == 0:
-                raise ValueError("prompt is empty")
-            if n >= self.max_context:
-                raise ValueError(f"prompt has {n} tokens; the context holds {self.max_context}")
+            self._check_prompt(seq)
         if len(seqs) > len(self.free_rows):
             raise RuntimeError("not enough free batch rows; check can_admit() first")
         for seq in seqs:
-            seq.row = self.free_rows.pop()
-            seq.generator = seq.generator or make_generator(seq.params.seed, self.device)
-            seq.pipeline = LogitsPipeline.build(seq.params, tuple(self.eos), seq.constraint)
-            seq.stats.acceptance, seq.stats.lossy = self.acceptance.name, self.acceptance.lossy
-            self.cache.reset(seq.row)
+            self._take_row(seq)
         try:
             hits = [self._load_prefix(s) for s in seqs]
             results = self._prefill_all(seqs, [h.num_tokens for h in hits])
             for seq, hit, (logits, feats) in zip(seqs, hits, results):
-                feats = join_features([hit.features, feats])
-                seq.root = self._sample(self._target_rows(seq, logits[None])[0], seq)
-                self.running.append(seq)
-                if self._drafter is not None:
-                    self._drafter.start(seq.row, list(seq.prompt_ids), feats)
-                self._store_prompt(seq, feats)
+                self._start_decoding(seq, hit, logits, feats)
         except BaseException:
             for seq in seqs:                       # give the rows back; nothing was admitted
                 self._unadmit(seq)
@@ -189,6 +179,83 @@ class Engine:
             raise
         for seq, (logits, _) in zip(seqs, results):
             self._emit(seq, [seq.root], self._logprobs(seq, logits[None], [seq.root]))
+
+    def begin(self, seq: Sequence) -> None:
+        """Admit ``seq`` to a free row for chunked prefill: its prefix-cache hit is loaded now and
+        ``prefill_step`` runs the rest of its prompt, chunk by chunk, between decoding steps; it
+        joins the decoding batch (first token emitted) when its prompt is done. A failure leaves
+        no row taken."""
+        self._check_prompt(seq)
+        if not self.free_rows:
+            raise RuntimeError("no free batch row; check can_admit() first")
+        self._take_row(seq)
+        try:
+            hit = self._load_prefix(seq)
+            layers, want_last = self._feature_request()
+            k = seq.params.prompt_logprobs
+            if k is not None:
+                seq.prompt_logprobs = []
+            gen = chunked_prefill(self.model, self.cache, seq.row, seq.prompt_ids, hit.num_tokens, layers,
+                                  want_last, k, seq.prompt_logprobs)
+            next(gen)
+        except BaseException:
+            self._unadmit(seq)
+            seq.row = -1
+            raise
+        self.prefilling.append(PrefillJob(seq, hit, gen, len(seq.prompt_ids) - hit.num_tokens))
+
+    @property
+    def num_prefilling(self) -> int:
+        """Sequences admitted with ``begin`` whose prompt is not prefilled yet."""
+        return len(self.prefilling)
+
+    def prefill_step(self, max_tokens: int) -> int:
+        """Prefill at most ``max_tokens`` prompt tokens of the sequences ``begin`` admitted, oldest
+        first; each one whose prompt completes starts decoding (its first token is emitted).
+        Returns the tokens prefilled. A failure aborts that sequence only (its row is freed, its
+        ``finish_reason`` is "abort") and is raised."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        done = 0
+        while self.prefilling and done < max_tokens:
+            job = self.prefilling[0]
+            try:
+                done += job.run(max_tokens - done)
+                if job.result is None:
+                    continue
+                self.prefilling.pop(0)
+                logits, feats = job.result
+                self._start_decoding(job.seq, job.hit, logits, feats)
+            except BaseException:
+                self.abort(job.seq)
+                self._unadmit(job.seq)          # also when it failed between the two lists
+                raise
+            self._emit(job.seq, [job.seq.root], self._logprobs(job.seq, logits[None], [job.seq.root]))
+        return done
+
+    def _check_prompt(self, seq: Sequence) -> None:
+        n = len(seq.prompt_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n >= self.max_context:
+            raise ValueError(f"prompt has {n} tokens; the context holds {self.max_context}")
+
+    def _take_row(self, seq: Sequence) -> None:
+        seq.row = self.free_rows.pop()
+        seq.generator = seq.generator or make_generator(seq.params.seed, self.device)
+        seq.pipeline = LogitsPipeline.build(seq.params, tuple(self.eos), seq.constraint)
+        seq.stats.acceptance, seq.stats.lossy = self.acceptance.name, self.acceptance.lossy
+        self.cache.reset(seq.row)
+
+    def _start_decoding(self, seq: Sequence, hit: PrefixHit, logits: torch.Tensor,
+                        feats: TargetFeatures | None) -> None:
+        """After its prompt is prefilled: the first token, the batch, the drafter, the prefix cache."""
+        feats = join_features([hit.features, feats])
+        seq.root = self._sample(self._target_rows(seq, logits[None])[0], seq)
+        self.running.append(seq)
+        if self._drafter is not None:
+            self._drafter.start(seq.row, list(seq.prompt_ids), feats)
+        self._store_prompt(seq, feats)
 
     def _unadmit(self, seq: Sequence) -> None:
         """Take ``seq`` out of the batch: drafter state, cache row and the row itself freed (a
@@ -278,41 +345,15 @@ class Engine:
 
     def _prefill(self, row: int, ids: list[int], seq: Sequence | None = None, start: int = 0
                  ) -> tuple[torch.Tensor, TargetFeatures | None]:
-        """Chunked prefill of one row from position ``start`` (the row's cache length: tokens
-        before it came from the prefix cache); features of positions ``start..``. Fills
-        ``seq.prompt_logprobs`` when its params ask (logits at every prompt position, entries for
-        prompt tokens 1..n-1; only from ``start`` 0)."""
-        dev = self.device
-        rows = torch.tensor([row], device=dev)
+        """Prefill of one row from position ``start`` (the row's cache length: tokens before it
+        came from the prefix cache), in chunks of ``PREFILL_CHUNK``; features of positions
+        ``start..``. Fills ``seq.prompt_logprobs`` when its params ask (only from ``start`` 0)."""
         layers, want_last = self._feature_request()
-        hid_parts, last_parts, logits = {i: [] for i in layers}, [], None
         k = seq.params.prompt_logprobs if seq is not None else None
         if k is not None:
-            if start:
-                raise ValueError("prompt_logprobs need the whole prompt prefilled (start 0)")
             seq.prompt_logprobs = []
-        for s in range(start, len(ids), PREFILL_CHUNK):
-            chunk = torch.tensor([ids[s:s + PREFILL_CHUNK]], device=dev)
-            pos = torch.arange(s, s + chunk.shape[1], device=dev)[None]
-            is_last = s + PREFILL_CHUNK >= len(ids)
-            out = self.model(chunk, pos, self.cache, rows=rows, hidden_layers=layers,
-                             logits_index=None if k is not None else
-                             torch.tensor([[chunk.shape[1] - 1]], device=dev),
-                             compute_logits=is_last or k is not None)
-            self.cache.advance(rows, chunk.shape[1])
-            if k is not None:
-                nxt = ids[s + 1:s + 1 + chunk.shape[1]]          # the token each position predicts
-                seq.prompt_logprobs += token_logprobs(out.logits[0, :len(nxt)], nxt, k)
-            for i in layers:
-                hid_parts[i].append(out.hidden[i][0])
-            if want_last:
-                last_parts.append(out.last_hidden[0])
-            logits = out.logits[0, -1] if is_last else logits
-        feats = None
-        if layers or want_last:
-            feats = TargetFeatures({i: torch.cat(v) for i, v in hid_parts.items()},
-                                   torch.cat(last_parts) if want_last else None)
-        return logits, feats
+        return run_all(chunked_prefill(self.model, self.cache, row, ids, start, layers, want_last, k,
+                                       seq.prompt_logprobs if k is not None else None), PREFILL_CHUNK)
 
     def _feature_request(self) -> tuple[tuple[int, ...], bool]:
         if self._drafter is None:
@@ -504,7 +545,12 @@ class Engine:
         already ended or was never admitted."""
         if not seq.finished:
             self._finish(seq, "abort")
-        if seq in self.running:
+        job = next((j for j in self.prefilling if j.seq is seq), None)
+        if job is not None:                       # admitted by ``begin``, still prefilling
+            self.prefilling.remove(job)
+            job.gen.close()
+            self._unadmit(seq)
+        elif seq in self.running:
             self._unadmit(seq)
 
     def run(self, seqs: list[Sequence]) -> list[Sequence]:

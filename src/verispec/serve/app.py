@@ -49,7 +49,7 @@ from .pipeline import RequestPipeline
 from .policy import SpecPolicy
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import ClientGone
-from .scheduler import RequestFailed
+from .scheduler import DEFAULT_PREFILL_CHUNK, RequestFailed
 from .security import AuditLogMiddleware, PromptDenylist
 
 # ---------------------------------------------------------------------------- configuration
@@ -69,6 +69,7 @@ class ServeConfig:
     audit_log: str | None = None                    # JSONL file: one line per request
     audit_log_prompts: bool = False                 # ... with the prompt text
     warmup: bool = False                            # decode a short prompt (batch 1, then 2) before /ready
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK   # chunked prefill: prompt tokens a round (None: off)
 
     @property
     def max_body_bytes(self) -> int:

@@ -60,7 +60,8 @@ class RequestPipeline:
         self.scheduler = Scheduler(self.llm, max_num_seqs=self.cfg.max_num_seqs,
                                    max_model_len=self.cfg.max_model_len, metrics=self.metrics,
                                    max_queue=self.cfg.max_queue, request_timeout=self.cfg.request_timeout,
-                                   policy=self.cfg.policy, decode=self.decode, warmup=self.cfg.warmup)
+                                   policy=self.cfg.policy, decode=self.decode, warmup=self.cfg.warmup,
+                                   prefill_chunk=self.cfg.prefill_chunk)
         self.scheduler.start()
 
     @property

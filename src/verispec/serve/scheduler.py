@@ -24,6 +24,10 @@ Contract
   stop hook for its stop strings); events carry the new text that can no longer change.
 With a prefix cache (``LLM(prefix_cache_mb=...)``, shared by every engine the scheduler builds) its
 counters go to the metrics after each admit/step round.
+Chunked prefill (``prefill_chunk``, on by default): admission only takes a row (``Engine.begin``);
+each round then runs one decoding step for the running sequences and at most ``prefill_chunk``
+prompt tokens of the admitted ones (``Engine.prefill_step``), so a long prompt delays running
+streams by a chunk at a time. A sequence whose prompt is done joins the next step.
 The optional ``policy`` gives each step its draft budget (``Engine.step(budget=...)``; see
 ``policy``) and is told each step's batch size, budget, verified rows, time and emitted tokens.
 The scheduler uses only the engine's public surface (admit, step, abort); it never edits it.
@@ -43,12 +47,16 @@ from typing import AsyncIterator, Callable
 from ..core.detokenizer import IncrementalDetokenizer
 from ..core.engine import Engine, Sequence
 from ..llm import LLM
+from ..models.packed import DENSE_MIN_ROWS
 from ..core.logprobs import TokenLogprob
 from ..core.params import SamplingParams
 from .metrics import ServerMetrics
 from .policy import SpecPolicy
 
 log = logging.getLogger("verispec.serve")
+DEFAULT_PREFILL_CHUNK = 512     # prompt tokens per round while others decode (vLLM's chunked prefill)
+MIN_PREFILL_CHUNK = DENSE_MIN_ROWS   # smaller chunks would leave the packed kernels' prefill path
+_IDLE_PREFILL = 2048            # prompt tokens per round when nothing decodes
 _req_ids = itertools.count()
 
 
@@ -116,8 +124,10 @@ class Scheduler:
     def __init__(self, llm: LLM, *, max_num_seqs: int, max_model_len: int, metrics: ServerMetrics,
                  max_queue: int = 1024, request_timeout: float | None = None,
                  policy: SpecPolicy | None = None, decode: Callable[[list[int]], str] | None = None,
-                 warmup: bool = False):
+                 warmup: bool = False, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
         """``decode``: the tokenizer's decode for the requests' text (e.g. one that holds a lock).
+        ``prefill_chunk``: chunked prefill, prompt tokens prefilled per round while other sequences
+        decode (at least ``MIN_PREFILL_CHUNK``; None: every prompt whole at admission).
         ``warmup``: before serving, the scheduler thread decodes a short prompt at batch 1 and then
         2 (``warm_up``), so a compiled model's graphs (one-token, prefill/verify, any batch size)
         are made before the first request, not inside it; ``warmed`` is set when that is over."""
@@ -129,6 +139,9 @@ class Scheduler:
         self.request_timeout = request_timeout
         self.policy = policy
         self.decode = decode
+        if prefill_chunk is not None and prefill_chunk < MIN_PREFILL_CHUNK:
+            raise ValueError(f"prefill_chunk must be at least {MIN_PREFILL_CHUNK} tokens, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.engine = self._new_engine()
         self._cond = threading.Condition()
         self._waiting: collections.deque[EngineRequest] = collections.deque()
@@ -258,22 +271,28 @@ class Scheduler:
     def _iteration(self) -> bool:
         """One admit/step round; False when it is time to stop."""
         with self._cond:
-            while not (self._waiting or self._cancels or self.engine.num_running or self._stop_at):
+            while not (self._waiting or self._cancels or self._busy or self._stop_at):
                 self._cond.wait()
             cancels, self._cancels = self._cancels, []
             if self._stop_at is not None:
                 self._fail_waiting(503, "the server is shutting down")
-                if not self.engine.num_running or time.perf_counter() > self._stop_at:
+                if not self._busy or time.perf_counter() > self._stop_at:
                     return False
         self._process_cancels(cancels)
         self._expire()
         self._admit()
         self._step()
+        self._prefill()
         if self.engine.prefix_cache is not None:
             self.metrics.observe_prefix_cache(self.engine.prefix_cache.stats())
         self.metrics.running.set(self.engine.num_running)
         self.metrics.waiting.set(len(self._waiting))
         return True
+
+    @property
+    def _busy(self) -> bool:
+        """Sequences decoding or prefilling."""
+        return bool(self.engine.num_running or self.engine.num_prefilling)
 
     def _shutdown(self) -> None:
         with self._cond:
@@ -337,8 +356,11 @@ class Scheduler:
             seq.start_time = req.arrival
             req.seq = seq
             self._active[seq.seq_id] = req
-            try:
-                self.engine.add(seq)          # all or nothing: a failure leaves no row taken
+            try:                              # all or nothing: a failure leaves no row taken
+                if self.prefill_chunk is None:
+                    self.engine.add(seq)
+                else:
+                    self.engine.begin(seq)    # prefilled by ``_prefill``, chunk by chunk
             except Exception as e:     # noqa: BLE001
                 log.exception("engine.add failed")
                 self._active.pop(seq.seq_id, None)
@@ -365,6 +387,22 @@ class Scheduler:
             self.metrics.draft_budget.set(report.budget)
         self.metrics.observe_spec(eng.stats)
 
+    def _prefill(self) -> None:
+        """One chunk budget of the prompts admitted for chunked prefill (between two decoding
+        steps, so a long prompt delays each running stream by one chunk, not by its whole
+        forward); with nothing decoding, whole prompts. A failure fails that request only."""
+        eng = self.engine
+        if not eng.num_prefilling:
+            return
+        budget = self.prefill_chunk if eng.num_running else max(self.prefill_chunk, _IDLE_PREFILL)
+        try:
+            eng.prefill_step(budget)
+        except Exception as e:        # noqa: BLE001
+            log.exception("prefill failed")
+            for req in [r for r in self._active.values() if r.seq is not None and r.seq.finished and not r.done]:
+                self._active.pop(req.seq.seq_id, None)
+                self._error(req, 500, f"the engine failed to prefill the request: {e}", "internal_error")
+
     def _fail_running(self, status: int, message: str) -> None:
         reqs = list(self._active.values())
         self._active.clear()
@@ -376,7 +414,7 @@ class Scheduler:
             except Exception:         # noqa: BLE001
                 broken = True
             self._error(req, status, message, "internal_error" if status == 500 else "service_unavailable")
-        if broken or self.engine.num_running:
+        if broken or self._busy:
             self._rebuild_engine()
 
     def _rebuild_engine(self) -> None:
