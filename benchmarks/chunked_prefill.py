@@ -12,7 +12,7 @@ Measured per configuration, over all windows: the gaps between consecutive token
 streams (ITL p50/p95/p99/max, client side), the streams' tokens per second, and the long prompts'
 time to first token. Writes ``benchmarks/results/chunked_prefill.json`` and ``.md``.
 
-    python benchmarks/chunked_prefill.py                  # chunks 0 (off), 512 and 256
+    python benchmarks/chunked_prefill.py                  # chunks 0 (off), 512, 256 and 128
 """
 from __future__ import annotations
 
@@ -39,9 +39,18 @@ FILLER = ("The committee reviewed the quarterly report, which covered shipping d
           "contracts, warehouse staffing, energy costs and the plan for the new distribution centre. ")
 
 
+STALL_S = 0.25      # a gap this long is a stall
+
+
 def _stats(values: list[float], scale: float = 1000.0) -> dict:
     return {f"p{p}": None if not values else round(_pct(values, p) * scale, 1) for p in (50, 95, 99)} | \
         {"max": round(max(values) * scale, 1) if values else None, "n": len(values)}
+
+
+def stalled_share(gaps: list[float]) -> float | None:
+    """The share of the streams' waiting time spent in gaps of ``STALL_S`` or more."""
+    total = sum(gaps)
+    return round(sum(g for g in gaps if g >= STALL_S) / total, 3) if total else None
 
 
 def long_prompt(url: str, i: int, tokens: int) -> str:
@@ -119,12 +128,14 @@ def measure(args: argparse.Namespace) -> dict:
                     acc[name][k] += got[k]
                 acc[name]["tokens"] += got["tokens"]
                 acc[name]["wall_s"] += got["wall_s"]
-                print(f"round {r} {name:>14}: ITL p95 {_stats(got['gaps'])['p95']} ms, long TTFT p50 "
+                print(f"round {r} {name:>14}: ITL p95 {_stats(got['gaps'])['p95']} ms, max {_stats(got['gaps'])['max']} ms, "
+                      f"stalled {stalled_share(got['gaps'])}, long TTFT p50 "
                       f"{_stats(got['ttfts'])['p50']} ms, {got['tokens'] / got['wall_s']:.1f} stream tok/s", flush=True)
     finally:
         for s in servers.values():
             s.stop()
     rows = {name: {"server_args": configs[name], "itl_ms": _stats(a["gaps"]), "long_ttft_ms": _stats(a["ttfts"]),
+                   "stalled_share": stalled_share(a["gaps"]),
                    "stream_tokens_per_s": round(a["tokens"] / a["wall_s"], 2)} for name, a in acc.items()}
     return {"machine": machine, "settings": harness.settings(args), "long_prompt_tokens": n_long, "configs": rows}
 
@@ -135,12 +146,13 @@ def render(res: dict) -> str:
              f"{res['long_prompt_tokens']}-token prompt (1 output token) every {s['long_every']} s; "
              f"{s['rounds']} windows of {s['window_s']} s per configuration, configurations in turn. "
              f"Server defaults otherwise (weights {s['weights']}, compile {s['compile']}, {s['threads']} threads). "
-             "ITL: gaps between a stream's consecutive SSE chunks, client side.", "",
-             "| configuration | ITL p50 ms | ITL p95 ms | ITL p99 ms | ITL max ms | stream tok/s | long-prompt TTFT p50 ms | p95 ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "ITL: gaps between a stream's consecutive SSE chunks, client side. Stalled: the share of "
+             f"the streams' time spent in gaps of {STALL_S * 1000:.0f} ms or more.", "",
+             "| configuration | ITL p50 ms | ITL p95 ms | ITL p99 ms | ITL max ms | stalled | stream tok/s | long-prompt TTFT p50 ms | p95 ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in res["configs"].items():
         i, t = r["itl_ms"], r["long_ttft_ms"]
-        lines.append(f"| {name} | {i['p50']} | {i['p95']} | {i['p99']} | {i['max']} | {r['stream_tokens_per_s']} "
+        lines.append(f"| {name} | {i['p50']} | {i['p95']} | {i['p99']} | {i['max']} | {r['stalled_share']:.0%} | {r['stream_tokens_per_s']} "
                      f"| {t['p50']} | {t['p95']} |")
     return "\n".join(lines) + "\n"
 
@@ -151,13 +163,13 @@ OUT = harness.Output("chunked_prefill", "Chunked prefill: stream ITL while 4k-to
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 256])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 256, 128])
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--long-tokens", type=int, default=4096)
-    ap.add_argument("--long-every", type=float, default=4.0)
-    ap.add_argument("--window-s", type=float, default=20.0)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--long-every", type=float, default=16.0)
+    ap.add_argument("--window-s", type=float, default=32.0)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)

@@ -1,7 +1,7 @@
 """Load test of ``verispec serve`` on loopback: throughput and latency with and without speculation.
 
-For each configuration (plain decoding; speculation with a fixed draft size; speculation with the
-batch-size policy) one server process is started, then ``U`` users (for each level in
+For each configuration (plain decoding; speculation drafting whole trees, ``adaptive_drafting``
+false; speculation with the draft-budget estimator and an optional batch-size cap) one server process is started, then ``U`` users (for each level in
 ``--levels``) stream chat completions back to back: user ``u`` sends Spec-Bench first turns
 ``u, u + U, u + 2U, ...`` until ``--requests-per-level`` requests (at least one per user) were
 sent or ``--level-budget-s`` passed (requests in flight then still finish). All servers run side by
@@ -253,7 +253,8 @@ OUTPUT = harness.Output("serve_load", "`verispec serve` under load", markdown, m
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
-    p.add_argument("--policy", default="auto", help="num_speculative_tokens_per_batch_size of the policy config")
+    p.add_argument("--policy", default="auto", help="num_speculative_tokens_per_batch_size of the "
+                   "'speculative+policy' config ('auto': the engine's draft-budget estimator alone)")
     p.add_argument("--levels", default="1,4,16,32", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1088)
@@ -278,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     from verispec.data import per_category, spec_bench_questions
     questions = [q for q in per_category(spec_bench_questions(), args.questions_per_category)
                  if len(q["turns"][0]) <= 3 * (args.max_model_len - args.max_tokens - 64)]
-    configs = {"baseline": [], "speculative": ["--speculative-config", args.speculative_config,
-                                               "--num-speculative-tokens-per-batch-size", "static"],
+    whole = json.dumps({**json.loads(args.speculative_config), "adaptive_drafting": False})
+    configs = {"baseline": [], "speculative": ["--speculative-config", whole],      # whole trees every step
                "speculative+policy": ["--speculative-config", args.speculative_config,
                                       "--num-speculative-tokens-per-batch-size", args.policy]}
     wanted = args.configs.split(",")

@@ -164,8 +164,10 @@ def test_adaptive_drafting_key_is_checked():
         SpeculativeConfig.from_dict({"method": "eagle3", "adaptive_drafting": "yes"})
     with pytest.raises(SpecConfigError, match="adaptive_drafting"):
         SpeculativeConfig.from_dict({"method": "medusa", "adaptive_drafting": 1})
+    with pytest.raises(SpecConfigError, match="adaptive_drafting"):
+        SpeculativeConfig.from_dict({"method": "suffix", "adaptive_drafting": "no"})
     with pytest.raises(SpecConfigError, match="applies to method"):
-        SpeculativeConfig.from_dict({"method": "ngram", "adaptive_drafting": True})
+        SpeculativeConfig.from_dict({"method": "hybrid", "adaptive_drafting": True})
 
 
 def test_which_configs_get_a_gate(packed_target, tmp_path):
@@ -204,6 +206,9 @@ class _Rotating:
     def __init__(self):
         self.calls, self.seen = 0, []
 
+    def plan(self, requests):
+        return [self.budget(i) for i, _ in requests]
+
     def budget(self, seq_id):
         self.calls += 1
         return (seq_id + self.calls // 3) % 3
@@ -232,12 +237,12 @@ def test_rows_switching_between_drafted_and_plain_steps_stay_lossless(packed_tar
     spec = LLM(loaded=packed_target, speculative_config={"method": method, "tree": [[0], [0, 0], [1]]})
     gates = []
     never = [GateOption(1, 0.5, 10.0)]                  # no request reaches this break-even
-    monkeypatch.setattr(spec, "_make_gate", lambda: gates.append(DraftGate(never)) or gates[-1])
+    monkeypatch.setattr(spec, "_make_gate", lambda n=0: gates.append(DraftGate(never)) or gates[-1])
     for p, o, r in zip(prompts, spec.generate(prompts[:1], params) + spec.generate(prompts[1:], params), ref):
         assert_same_or_tie(spec.target.model, p["prompt_token_ids"], o.token_ids, r.token_ids, method + " gated")
     assert all(g.stats.plain > 0 and g.stats.trials >= 1 for g in gates)
     stub = _Rotating()
-    monkeypatch.setattr(spec, "_make_gate", lambda: stub)
+    monkeypatch.setattr(spec, "_make_gate", lambda n=0: stub)
     for p, o, r in zip(prompts, spec.generate(prompts, params), ref):
         assert_same_or_tie(spec.target.model, p["prompt_token_ids"], o.token_ids, r.token_ids, method + " mixed")
     assert {0, 1, 2} <= set(stub.seen)
@@ -251,8 +256,8 @@ def test_sampled_requests_are_not_timed_and_stay_reproducible(packed_target, cha
     seen = []
     real = spec._make_gate
 
-    def spy():
-        gate = real()
+    def spy(n=0):
+        gate = real(n)
         observe_step = gate.observe_step
         gate.observe_step = lambda ids, budgets, t: seen.append(list(ids)) or observe_step(ids, budgets, t)
         return gate

@@ -12,7 +12,8 @@ from helpers import assert_same_or_tie
 
 from verispec import LLM, SamplingParams
 from verispec.drafting.draft_shape import (AcceptanceProfile, StepCosts, best_paths, best_tree, cached_costs,
-                                  tree_cost, _interpolate)
+                                  tree_cost)
+from verispec.drafting.batch_cost import interpolate as _interpolate
 from verispec.core.tree import validate_choices
 
 ROOT = Path(__file__).resolve().parents[1] / "checkpoints"

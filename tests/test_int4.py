@@ -160,7 +160,8 @@ def test_greedy_on_int4_target_equals_its_vanilla(int4_target, head_prompts, spe
     greedy = SamplingParams(temperature=0, max_tokens=32)
     batch = [{"prompt_token_ids": p} for p in head_prompts]
     want = LLM(loaded=int4_target, max_num_seqs=4).generate(batch, greedy)
-    llm = LLM(loaded=int4_target, max_num_seqs=4, speculative_config=spec)
+    # whole trees every step: at batch 4 the draft-budget estimator may find drafting too dear here
+    llm = LLM(loaded=int4_target, max_num_seqs=4, speculative_config={**spec, "adaptive_drafting": False})
     got = llm.generate(batch, greedy)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(o.metrics.num_drafts for o in got) > 0

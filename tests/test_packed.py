@@ -82,7 +82,8 @@ def test_greedy_on_packed_target_equals_its_vanilla(packed_target, head_prompts,
     greedy = SamplingParams(temperature=0, max_tokens=32)
     batch = [{"prompt_token_ids": p} for p in head_prompts]
     want = LLM(loaded=packed_target, max_num_seqs=4).generate(batch, greedy)
-    llm = LLM(loaded=packed_target, max_num_seqs=4, speculative_config=spec)
+    # whole trees every step: at batch 4 the draft-budget estimator may find drafting too dear here
+    llm = LLM(loaded=packed_target, max_num_seqs=4, speculative_config={**spec, "adaptive_drafting": False})
     got = llm.generate(batch, greedy)
     for p, g, w in zip(head_prompts, got, want):
         assert_same_or_tie(packed_target.model, p, g.token_ids, w.token_ids, f"packed {spec['method']}")

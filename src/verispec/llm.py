@@ -41,6 +41,7 @@ class RequestMetrics:
     num_accepted_tokens: int
     mean_acceptance_length: float          # bonus token included
     acceptance_rate_per_pos: list[float] = field(default_factory=list)
+    draft_budgets: dict[int, int] = field(default_factory=dict)   # the estimator's budget -> steps (0: plain)
     draft_time_s: float = 0.0              # in the drafter's propose
     verify_time_s: float = 0.0             # target forward + acceptance + cache compaction
     acceptance: str = "lossless"           # the acceptance rule's name
@@ -184,11 +185,12 @@ class LLM:
         return Engine(self.target.model, drafter, max_batch=max_batch, max_len=max_len + slack,
                       eos_token_ids=self.eos_token_ids, max_context=self.max_model_len,
                       acceptance=self.acceptance, prefix_cache=self.prefix_cache, device=self.device,
-                      forward=self.compiled, gate=self._make_gate())
+                      forward=self.compiled, gate=self._make_gate(drafter.max_tree_nodes if drafter else 0))
 
-    def _make_gate(self):
-        """A per-engine ``DraftGate`` when the drafter factory makes one (adaptive drafting)."""
-        return self._make_drafter.make_gate() if self._make_drafter else None
+    def _make_gate(self, max_nodes: int = 0):
+        """A per-engine ``DraftGate`` (the draft-budget estimator) for a drafter of at most
+        ``max_nodes`` nodes, when the drafter factory makes one (adaptive drafting)."""
+        return self._make_drafter.make_gate(max_nodes) if self._make_drafter else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -281,7 +283,8 @@ class LLM:
             time_to_first_token_s=(seq.first_token_time or seq.start_time) - seq.start_time,
             num_steps=st.num_steps, num_drafts=st.num_drafts, num_draft_tokens=st.num_draft_tokens,
             num_accepted_tokens=st.num_accepted_tokens, mean_acceptance_length=st.mean_acceptance_length,
-            acceptance_rate_per_pos=st.acceptance_rate_per_pos, draft_time_s=st.draft_time_s,
+            acceptance_rate_per_pos=st.acceptance_rate_per_pos, draft_budgets=dict(sorted(st.budgets.items())),
+            draft_time_s=st.draft_time_s,
             verify_time_s=st.verify_time_s, acceptance=st.acceptance, lossy=st.lossy)
         return RequestOutput(seq.seq_id, prompt_text, list(seq.prompt_ids), text, list(seq.output_ids),
                              seq.finish_reason or "length", m,

@@ -64,9 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='speculative_config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                         f'it may also hold "{POLICY_KEY}"')
     p.add_argument("--num-speculative-tokens-per-batch-size", default=None, metavar="POLICY",
-                   help="speculation under load: 'auto' (measured, the default), 'static' (always the "
-                        "drafter's full size) or a JSON table {batch_size: num_speculative_tokens}, "
-                        "e.g. '{\"1\": 4, \"8\": 2, \"16\": 0}'")
+                   help="a cap on the draft budget by batch size: 'auto' (none: the engine's draft-budget "
+                        "estimator decides each request's budget from its acceptance and the batch's "
+                        "measured costs; the default), 'static' (the same) or a JSON table "
+                        "{batch_size: num_speculative_tokens}, e.g. '{\"1\": 4, \"8\": 2, \"16\": 0}'")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=8,
@@ -187,7 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "serving %s on http://%s:%d (device=%s, weights=%s, compile=%s, max_num_seqs=%d, max_model_len=%d, "
         "speculation=%s, policy=%s, prefix_cache_mb=%g); /ready after the warm-up", args.model, args.host, args.port,
         llm.device, llm.target.weights.value, args.compile, args.max_num_seqs, llm.max_model_len,
-        llm.spec.as_dict() if llm.spec else None, type(policy).__name__ if policy else None, args.prefix_cache_mb)
+        llm.spec.as_dict() if llm.spec else None, type(policy).__name__ if policy else "estimator", args.prefix_cache_mb)
     server.run()
     return 0 if server.started else 1
 

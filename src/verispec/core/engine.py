@@ -395,6 +395,9 @@ class Engine:
         t0 = time.perf_counter()
         trees, caps = self._propose(seqs, budget)                             # 1) propose
         t1 = time.perf_counter()
+        if self._drafter is not None:
+            for s, cap in zip(seqs, caps):
+                s.stats.observe_budget(cap)
         batch, out = self._verify_forward(seqs, trees)                        # 2) verify
         t2 = time.perf_counter()
         decided = self._accept(seqs, batch, out)                              # 3) accept
@@ -434,7 +437,8 @@ class Engine:
         trees = [DraftTree.empty() for _ in seqs]
         if self._drafter is None or budget == 0:
             return trees, [0] * len(seqs)
-        caps = [budget if self.gate is None else min(budget, self.gate.budget(s.seq_id)) for s in seqs]
+        caps = [budget] * len(seqs) if self.gate is None else \
+            [min(budget, b) for b in self.gate.plan([(s.seq_id, s.params.greedy) for s in seqs])]
         ask = [i for i, cap in enumerate(caps) if cap > 0]
         if not ask:
             return trees, caps

@@ -23,6 +23,8 @@ class SpecStats:
     verify_time_s: float = 0.0
     overhead_time_s: float = 0.0     # engine-wide: a step's time after the verify forward (acceptance,
                                      # cache compaction, drafter hand-over, emission)
+    budgets: dict = field(default_factory=dict)   # draft budget -> steps given it (0: plain; the
+                                     # draft-budget estimator's choice, capped by room and any policy)
     acceptance: str = "lossless"     # the engine's acceptance rule (``acceptance.AcceptanceRule.name``)
     lossy: bool = False              # True: that rule does not keep the target distribution
 
@@ -42,11 +44,17 @@ class SpecStats:
         for name in ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                      "num_emitted_tokens", "draft_time_s", "verify_time_s", "overhead_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for k, v in other.budgets.items():
+            self.budgets[k] = self.budgets.get(k, 0) + v
         for mine, theirs in ((self.accepted_per_pos, other.accepted_per_pos),
                              (self.drafted_per_pos, other.drafted_per_pos)):
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, v in enumerate(theirs):
                 mine[i] += v
+
+    def observe_budget(self, budget: int) -> None:
+        """Record the draft budget one step gave the sequence (0: a plain step)."""
+        self.budgets[budget] = self.budgets.get(budget, 0) + 1
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -67,6 +75,7 @@ class SpecStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "accepted_per_pos": list(self.accepted_per_pos),
             "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
+            "draft_budgets": {str(k): v for k, v in sorted(self.budgets.items())},
             "draft_time_s": self.draft_time_s, "verify_time_s": self.verify_time_s,
             "overhead_time_s": self.overhead_time_s,
             "acceptance": self.acceptance, "lossy": self.lossy,

@@ -3,7 +3,8 @@ registry that the built-in methods use too.
 
 ``register(name, builder, config=None)`` makes ``{"method": name, ...}`` a valid
 ``speculative_config``: ``config`` is the method's ``SpeculativeConfig`` subclass (its fields are
-the method's keys; default: ``CustomSpecConfig``, keys ``model`` and ``num_speculative_tokens``),
+the method's keys; default: ``CustomSpecConfig``, keys ``model``, ``num_speculative_tokens`` and
+``adaptive_drafting``),
 and ``builder(config, target) -> make(max_batch, max_len) -> Drafter`` loads weights once
 (``target`` is the ``LoadedModel`` being served) and makes per-engine state on each call.
 ``build_drafter_factory(config, target, forward)`` runs the registered builder of ``config.method``;
@@ -54,7 +55,9 @@ def registered() -> list[str]:
 def build_drafter_factory(config: SpeculativeConfig, target, forward=None) -> ShapedFactory:
     """The registered builder of ``config.method`` applied to ``config`` and ``target`` (and
     ``forward``, where the builder takes it), as a ``ShapedFactory``: a builder's plain factory is
-    wrapped (no chosen shape, no gate), so callers read ``shape`` and ``make_gate`` of any method."""
+    wrapped (no chosen shape), gated by the draft-budget estimator with a prior profile and the
+    target's measured verify costs unless the config's ``adaptive_drafting`` is false, so callers
+    read ``shape`` and ``make_gate`` of any method."""
     if config.method not in _BUILDERS:
         raise SpecConfigError(f"method {config.method!r} is not registered; registered: {registered()}")
     builder = _BUILDERS[config.method]
@@ -62,7 +65,13 @@ def build_drafter_factory(config: SpeculativeConfig, target, forward=None) -> Sh
         made = builder(config, target, forward=forward)
     else:
         made = builder(config, target)
-    return made if isinstance(made, ShapedFactory) else ShapedFactory(made, None)
+    if isinstance(made, ShapedFactory):
+        return made
+    if getattr(config, "adaptive_drafting", None) is False or target is None:
+        return ShapedFactory(made, None)
+    from .draft_shape import verify_costs
+    from .draft_shape import StepCosts
+    return ShapedFactory(made, None, costs=StepCosts(verify_costs(target, forward), 0.0), generic=True)
 
 
 @register("ngram", config=NgramConfig)

@@ -57,7 +57,10 @@ import enum
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from .batch_cost import BatchCosts
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class GateOption:
     expected_accepted: float
     cost_ratio: float
     hit_by_depth: tuple[float, ...] = ()
+    draft_ms: float = 0.0      # the modelled batch-1 draft time of this prefix (``batch_cost``)
 
     def accepted(self, factors: "Sequence[float] | float") -> float:
         """Modelled accepted tokens with the profile scaled by ``factors``: per depth (each hit
@@ -146,7 +150,10 @@ class DraftGate:
     """Per-request draft budgets (see the module docstring). ``options``: the nested prefixes of
     the tree, by increasing ``nodes``; the last is the whole tree."""
 
-    def __init__(self, options: Sequence[GateOption], config: GateConfig = GateConfig()):
+    def __init__(self, options: Sequence[GateOption], config: GateConfig = GateConfig(),
+                 costs: BatchCosts | None = None):
+        """``costs``: step costs by batch size (``batch_cost.BatchCosts``); None: at batch > 1
+        the batch-1 modelled ratios (an engine that serves one request at a time)."""
         options = tuple(options)
         if not options:
             raise ValueError("a gate needs at least one option")
@@ -155,17 +162,30 @@ class DraftGate:
                 raise ValueError(f"an option needs nodes >= 1, expected_accepted >= 0 and cost_ratio > 0, got {o}")
         if [o.nodes for o in options] != sorted({o.nodes for o in options}):
             raise ValueError(f"options must have increasing node counts, got {[o.nodes for o in options]}")
-        self.options, self.config = options, config
+        self.options, self.config, self.costs = options, config, costs
         self._by_nodes = {o.nodes: o for o in options}
         self._seqs: dict[int, _SeqState] = {}
         self.stats = GateStats()
 
     # -- costs -------------------------------------------------------------------------------------
-    def cost_ratio(self, nodes: int, seq_id: int | None = None) -> float:
-        """``T_m / T_0`` for budget ``nodes``: measured for request ``seq_id`` when both are timed
-        enough, else modelled."""
-        measured = self._measured(seq_id)(nodes)
-        return self._by_nodes[nodes].cost_ratio if measured is None else measured
+    def cost_ratio(self, nodes: int, seq_id: int | None = None, batch_size: int = 1, timed: bool = True) -> float:
+        """``T_m / T_0`` for budget ``nodes`` in a step of ``batch_size`` requests: at batch 1
+        measured for request ``seq_id`` when both are timed enough, else modelled; at batch > 1
+        from ``costs`` (measured per batch-size bucket where ``timed``, else modelled)."""
+        return self._ratios(seq_id, batch_size, timed)(nodes)
+
+    def _ratios(self, seq_id: int | None, batch_size: int, timed: bool = True):
+        """``nodes -> T_m / T_0`` of a request in a step of ``batch_size`` (see ``cost_ratio``)."""
+        if batch_size > 1:
+            if self.costs is None:
+                return lambda nodes: self._by_nodes[nodes].cost_ratio
+            return lambda nodes: self.costs.ratio(batch_size, nodes, timed)
+        measured = self._measured(seq_id)
+
+        def ratio(nodes: int) -> float:
+            r = measured(nodes)
+            return self._by_nodes[nodes].cost_ratio if r is None else r
+        return ratio
 
     def measured_ratio(self, nodes: int, seq_id: int | None) -> float | None:
         """``T_m / T_0`` from the request's timed batch-1 steps; None until enough of each."""
@@ -183,14 +203,14 @@ class DraftGate:
             return statistics.median(d) / plain if plain is not None and len(d) >= n else None
         return ratio
 
-    def best(self, scale: "float | Sequence[float]", seq_id: int | None = None) -> int:
+    def best(self, scale: "float | Sequence[float]", seq_id: int | None = None, batch_size: int = 1,
+             timed: bool = True) -> int:
         """The budget (0: plain) with the most tokens per time when the profile is scaled by
-        ``scale`` (one number, or one factor per depth: ``GateOption.accepted``), with request
-        ``seq_id``'s measured costs where it has them."""
-        best, value, measured = 0, 1.0, self._measured(seq_id)
+        ``scale`` (one number, or one factor per depth: ``GateOption.accepted``), at the cost
+        ratios of a step of ``batch_size`` (``cost_ratio``)."""
+        best, value, ratio = 0, 1.0, self._ratios(seq_id, batch_size, timed)
         for o in self.options:
-            r = measured(o.nodes)
-            v = (1.0 + o.accepted(scale)) / (o.cost_ratio if r is None else r)
+            v = (1.0 + o.accepted(scale)) / ratio(o.nodes)
             if v > value + 1e-12:
                 best, value = o.nodes, v
         return best
@@ -208,11 +228,13 @@ class DraftGate:
         return self.depth_factors(seq_id, steps)
 
     def depth_factors(self, seq_id: int, steps=None, prior_steps: float | None = None) -> tuple[float, ...]:
-        """Per depth d: (tokens accepted at depth d + n0 h_d) / (modelled hits at depth d + n0 h_d)
-        over the request's latest drafted steps (or ``steps``: (accepted, budget) pairs) that
-        reached depth d (every earlier depth accepted), h_d the whole tree's modelled hit
-        probability there and n0 = ``prior_steps`` (default: the config's): 1 without steps, lower
-        where the request's drafts are rejected earlier than modelled."""
+        """Per depth d: (tokens accepted at depth d + n0 h_d f_{d-1}) / (modelled hits at depth d
+        + n0 h_d) over the request's latest drafted steps (or ``steps``: (accepted, budget)
+        pairs) that reached depth d (every earlier depth accepted), h_d the whole tree's modelled
+        hit probability there, n0 = ``prior_steps`` (default: the config's) and f_{d-1} the factor
+        of the depth above (f_0 = 1): 1 without steps, lower where the request's drafts are
+        rejected earlier than modelled, and a depth the request's budgets never reached follows
+        the depths above it (a request accepted far better than modelled is tried deeper)."""
         if steps is None:
             st = self._seqs.get(seq_id)
             steps = st.steps if st is not None else ()
@@ -225,8 +247,12 @@ class DraftGate:
                 expected[d] += h
                 hits[d] += accepted > d
         n0 = self.config.prior_steps if prior_steps is None else prior_steps
-        return tuple((hits[d] + n0 * h) / (expected[d] + n0 * h) if expected[d] + n0 * h > 0 else 1.0
-                     for d, h in enumerate(prior))
+        factors, inherit = [], 1.0
+        for d, h in enumerate(prior):           # a depth's prior: the calibration of the one above it
+            f = (hits[d] + n0 * h * inherit) / (expected[d] + n0 * h) if expected[d] + n0 * h > 0 else inherit
+            factors.append(f)
+            inherit = f
+        return tuple(factors)
 
     def scale(self, seq_id: int) -> float:
         """How the request's recent drafted steps did against the profile as a whole (1: as
@@ -243,27 +269,54 @@ class DraftGate:
         return got / modelled if modelled > 0 else 1.0
 
     # -- decisions -----------------------------------------------------------------------------------
-    def budget(self, seq_id: int) -> int:
-        """Draft nodes for request ``seq_id`` this step (0: a plain step); call once per step."""
+    def plan(self, requests: Sequence[tuple[int, bool]]) -> list[int]:
+        """Draft nodes of every request of one engine step, given as ``(seq_id, timed)`` (timed:
+        its budgets may follow measured times, i.e. it is greedy): ``budget`` of each at this
+        step's batch size, or all 0 when ``costs`` wants a plain step of this batch size timed
+        (only in steps whose requests are all timed). Call once per step."""
+        n = len(requests)
+        if n > 1 and self.costs is not None and all(t for _, t in requests) and self.costs.probe_due(n):
+            self.stats.probes += 1
+            return [self._plain(self._state(i)) for i, _ in requests]
+        return [self.budget(i, n, t) for i, t in requests]
+
+    def _state(self, seq_id: int) -> _SeqState:
         st = self._seqs.get(seq_id)
         if st is None:
             st = self._seqs[seq_id] = _SeqState(deque(maxlen=self.config.window))
+        return st
+
+    def budget(self, seq_id: int, batch_size: int = 1, timed: bool = True) -> int:
+        """Draft nodes for request ``seq_id`` this step (0: a plain step), in a step of
+        ``batch_size`` requests; call once per step. An untimed (sampled) request is given the
+        budgets of batch 1 in any batch (modelled costs only), so that a seeded request draws
+        the same tokens alone or beside others. At batch > 1 a step where plain decoding
+        wins only because of the batch's cost (the request's acceptance would pay at batch 1) is
+        plain without stopping the request's drafting, and trials wait for such steps to pass."""
+        st = self._state(seq_id)
+        batch_size = batch_size if timed else 1       # a seeded sampled request: the same budgets in any batch
         if st.mode is Mode.WAIT:
             if st.left > 0:
                 st.left -= 1
                 return self._plain(st)
             st.mode, st.trial_steps = Mode.TRIAL, []
             self.stats.trials += 1
+        cal = self.calibration(seq_id)
         if st.mode is Mode.TRIAL:                     # the budget the request's history favours
-            st.budget = self.best(self.calibration(seq_id), seq_id) or self.options[0].nodes
+            best = self.best(cal, seq_id, batch_size, timed)
+            if best == 0 and batch_size > 1:
+                return self._plain(st)                # too dear at this batch size: not now
+            st.budget = best or self.options[0].nodes
         else:
             if self._probe_due(st):
                 self.stats.probes += 1
                 return self._plain(st)
-            st.budget = self.best(self.calibration(seq_id), seq_id)
+            st.budget = self.best(cal, seq_id, batch_size, timed)
+            if st.budget == 0 and batch_size > 1 and self.best(cal, seq_id) > 0:
+                return self._plain(st)                # the batch's cost, not the acceptance
             if st.budget == 0:                        # plain beats every prefix: stop drafting
                 self._wait(st, self.config.min_wait)
-                return self.budget(seq_id)
+                return self.budget(seq_id, batch_size, timed)
         st.since_plain += 1
         self.stats.drafted += 1
         self.stats.budgets[st.budget] = self.stats.budgets.get(st.budget, 0) + 1
@@ -326,6 +379,8 @@ class DraftGate:
         if st is not None:
             st.timed = True
             st.times.setdefault(budgets[0], deque(maxlen=self.config.time_window)).append(time_s)
+        if len(seq_ids) > 1 and self.costs is not None and all(i is not None for i in seq_ids):
+            self.costs.observe(len(seq_ids), max(budgets), time_s)
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)

@@ -34,9 +34,11 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
+
+from .batch_cost import interpolate
 
 from ..core.tree import validate_choices
 
@@ -117,43 +119,14 @@ class StepCosts:
     chain: tuple[float, float] | None = None
 
     def verify_ms(self, t: int) -> float:
-        return _interpolate(self.verify, t)
+        return interpolate(self.verify, t)
 
     def level_ms(self, w: int) -> float:
-        return _interpolate(self.level, w) if self.level else 0.0
+        return interpolate(self.level, w) if self.level else 0.0
 
     @property
     def vanilla_ms(self) -> float:
         return self.verify_ms(1)
-
-
-def _monotone(points: tuple[tuple[int, float], ...]) -> list[tuple[int, float]]:
-    """The points made non-decreasing by pooling adjacent violators (isotonic regression): a
-    noisy spike or dip is averaged with its neighbours, not taken as a real cost step."""
-    blocks: list[list[float]] = []                      # [sum, count] per pooled block
-    xs = []
-    for x, y in sorted(points):
-        xs.append(x)
-        blocks.append([y, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            s, n = blocks.pop()
-            blocks[-1][0] += s
-            blocks[-1][1] += n
-    ys = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
-    return list(zip(xs, ys))
-
-
-def _interpolate(points: tuple[tuple[int, float], ...], x: int) -> float:
-    """Piecewise-linear through the monotone fit of the measured points, extended past the last
-    point with the last segment's slope."""
-    pts = _monotone(points)
-    if len(pts) == 1 or x <= pts[0][0]:
-        return pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    (x0, y0), (x1, y1) = pts[-2], pts[-1]
-    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
 class ShapedFactory:
@@ -162,17 +135,26 @@ class ShapedFactory:
     each engine a ``draft_gate.DraftGate`` over them (``make_gate``: adaptive drafting)."""
 
     def __init__(self, make: Callable, shape: "ShapeChoice | None", gate_options: tuple = (),
-                 costs: "StepCosts | None" = None):
+                 costs: "StepCosts | None" = None, generic: bool = False):
         self.make, self.shape, self.gate_options = make, shape, tuple(gate_options)
         self.costs = costs            # the measured step costs the shape was chosen from (None: none measured)
+        self.generic = generic        # a drafter without a profile: gated with ``generic_options``
 
     def __call__(self, max_batch: int, max_len: int):
         return self.make(max_batch, max_len)
 
-    def make_gate(self):
-        """A new gate for one engine, or None (adaptive drafting off)."""
+    def make_gate(self, max_nodes: int = 0):
+        """A new gate for one engine whose drafter drafts at most ``max_nodes`` nodes, with the
+        batch-size costs of ``costs`` (``batch_cost``), or None (adaptive drafting off)."""
+        from .batch_cost import BatchCosts
         from .draft_gate import DraftGate
-        return DraftGate(self.gate_options) if self.gate_options else None
+        options = self.gate_options
+        if not options and self.generic and self.costs is not None and max_nodes > 0:
+            options = generic_options(max_nodes, self.costs.verify)
+        if not options:
+            return None
+        costs = None if self.costs is None else BatchCosts(self.costs.verify, {o.nodes: o.draft_ms for o in options})
+        return DraftGate(options, costs=costs)
 
 
 @dataclass(frozen=True)
@@ -356,7 +338,7 @@ def time_round_robin(calls: dict, reps: int = 7, warmup: int = 1) -> dict:
 COST_VERSION = 4
 
 
-def cost_key(target, head_folder: str | Path, kind: str, compiled: bool = False) -> str:
+def cost_key(target, head_folder: str | Path | None, kind: str, compiled: bool = False) -> str:
     """Machine, torch, threads, OpenMP wait policy, model, weights (and their kernel), the forward
     (compiled or eager) and head: what the costs depend on."""
     cpu = platform.processor() or platform.machine()
@@ -373,9 +355,11 @@ def cost_key(target, head_folder: str | Path, kind: str, compiled: bool = False)
     from ..models import attention
     cfg = getattr(target.model, "cfg", None)
     attn = "op" if cfg is not None and attention.row_invariant(cfg) else "sdpa"      # which attention runs
-    head = Path(head_folder)
-    stamp = [str(head.resolve())] + [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}"
-                                     for p in sorted(head.glob("*")) if p.is_file()]
+    stamp = ["no head"]
+    if head_folder is not None:                  # None: costs of the target alone
+        head = Path(head_folder)
+        stamp = [str(head.resolve())] + [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}"
+                                         for p in sorted(head.glob("*")) if p.is_file()]
     parts = [f"v{COST_VERSION}", cpu, str(os.cpu_count()), torch.__version__, str(torch.get_num_threads()), str(target.name),
              str(getattr(target, "weights", "")) + "/" + "+".join(b for b in backends if b), f"omp={omp}",
              f"attn={attn}", "compiled" if compiled else "eager", str(model.dtype), str(model.device), kind,
@@ -475,7 +459,7 @@ def gate_options(choices, profile: AcceptanceProfile, costs: StepCosts) -> tuple
     for m in range(1, len(ordered) + 1):
         shape = modelled_shape(ordered[:m], profile, costs)
         out.append(GateOption(m, shape.expected_tokens - 1.0, shape.step_ms / shape.vanilla_ms,
-                              hit_by_depth(ordered[:m], profile)))
+                              hit_by_depth(ordered[:m], profile), shape.step_ms - costs.verify_ms(1 + m)))
     return tuple(out)
 
 
@@ -546,3 +530,34 @@ def head_factory(target, config, kind: str, tree, user_choices, measure_draft, m
     if shape is not None:
         tree = StaticTreeConfig(shape.choices)
     return ShapedFactory(lambda max_batch, max_len: make(tree, max_batch, max_len), shape, gate, costs)
+
+
+# ------------------------------------------------------------------ drafters without a profile
+PRIOR_HIT = 0.6      # the prior probability that a profile-less drafter's next draft token is accepted
+
+
+def generic_options(max_nodes: int, verify: Sequence[tuple[int, float]]) -> tuple:
+    """``draft_gate.GateOption`` of budgets 1, 2, 4, ... and ``max_nodes`` for a drafter without a
+    measured acceptance profile (n-gram, suffix trees, a draft model): a chain prior of
+    ``PRIOR_HIT`` per depth (each request's own steps rescale it depth by depth, as a node's
+    depth in a chain: ``DraftGate.depth_factors``) and the
+    verify cost of ``1 + m`` tokens over one (drafting itself is host work or is learned from
+    timed steps: the modelled draft time is 0)."""
+    from .draft_gate import GateOption
+    if max_nodes < 1:
+        raise ValueError(f"a gate needs a drafter of at least one node, got {max_nodes}")
+    curve = StepCosts(tuple(verify), 0.0)
+    budgets, p = {max_nodes}, 1
+    while p < max_nodes:
+        budgets.add(p)
+        p *= 2
+    return tuple(GateOption(m, sum(PRIOR_HIT ** d for d in range(1, m + 1)),
+                            curve.verify_ms(1 + m) / curve.verify_ms(1), (PRIOR_HIT,) * m) for m in sorted(budgets))
+
+
+def verify_costs(target, forward=None) -> tuple[tuple[int, float], ...]:
+    """The target's measured batch-1 verify costs ``(T, ms)`` on this machine (through
+    ``forward``, the engines' compiled forward, if any), cached with the heads' step costs."""
+    def measure() -> StepCosts:
+        return StepCosts(measure_verify(target.model, forward=forward), 0.0, note="target verify costs")
+    return cached_costs(cost_key(target, None, "verify", compiled=forward is not None), measure).verify

@@ -124,9 +124,12 @@ class NgramConfig(SpeculativeConfig):
     prompt_lookup_max: int = 4
     num_matches: int = 1                     # continuations merged into a tree
     prompt_lookup_extra: int | None = None   # after an n-token match propose <= n + this
+    adaptive_drafting: bool | None = None    # the draft-budget estimator (draft_gate) gives each request
+                                             # and step its budget, down to none (default: on)
 
     def check(self) -> None:
         super().check()
+        _check_bool(self, "adaptive_drafting")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpecConfigError("prompt_lookup_min must be <= prompt_lookup_max")
         extra = self.prompt_lookup_extra
@@ -145,9 +148,12 @@ class DraftModelConfig(SpeculativeConfig):
     draft_vocab: str | None = None           # reduced draft vocabulary file (d2t / t2d)
     draft_confidence_threshold: float | None = None   # chains: stop below this draft probability
     draft_compile: bool | None = None        # the draft's forwards through torch.compile (default: as the target)
+    adaptive_drafting: bool | None = None    # the draft-budget estimator (draft_gate) gives each request
+                                             # and step its budget, down to none (default: on)
 
     def check(self) -> None:
         super().check()
+        _check_bool(self, "adaptive_drafting")
         if not self.model:
             raise SpecConfigError("method 'draft_model' needs 'model' (a model name or path, or 'self')")
         _check_bool(self, "draft_compile")
@@ -244,9 +250,12 @@ class SuffixConfig(SpeculativeConfig):
     suffix_decoding_max_cached_requests: int = 10000 # outputs kept in the global tree (FIFO); 0 = off
     suffix_decoding_max_spec_factor: float = 1.0     # nodes <= this x the matched suffix length
     suffix_decoding_min_token_prob: float = 0.1      # keep nodes whose estimated path probability >= this
+    adaptive_drafting: bool | None = None    # the draft-budget estimator (draft_gate) gives each request
+                                             # and step its budget, down to none (default: on)
 
     def check(self) -> None:
         super().check()
+        _check_bool(self, "adaptive_drafting")
         n = self.suffix_decoding_max_cached_requests
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2 ** 31:
             raise SpecConfigError("speculative_config 'suffix_decoding_max_cached_requests' must be an integer "
@@ -300,6 +309,11 @@ class HybridConfig(SpeculativeConfig):
 class CustomSpecConfig(SpeculativeConfig):
     """Default config of a method registered with ``verispec.drafting.register``."""
     model: str | None = None
+    adaptive_drafting: bool | None = None    # the draft-budget estimator cuts its trees (default: on)
+
+    def check(self) -> None:
+        super().check()
+        _check_bool(self, "adaptive_drafting")
 
 
 METHOD_CONFIGS: dict[str, type[SpeculativeConfig]] = {

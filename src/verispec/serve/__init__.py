@@ -4,8 +4,8 @@ batching, ``scheduler``), ``ServerMetrics`` (Prometheus, ``metrics``) and specul
 ``python -m verispec.serve`` runs ``verispec serve``."""
 from .app import ServeConfig, create_app
 from .metrics import ServerMetrics
-from .policy import AutoPolicy, SpecPolicy, StaticPolicy, TablePolicy, parse_policy
+from .policy import SpecPolicy, StaticPolicy, TablePolicy, parse_policy
 from .scheduler import Scheduler
 
 __all__ = ["ServeConfig", "create_app", "ServerMetrics", "Scheduler", "SpecPolicy", "StaticPolicy",
-           "TablePolicy", "AutoPolicy", "parse_policy"]
+           "TablePolicy", "parse_policy"]

@@ -28,8 +28,10 @@ Chunked prefill (``prefill_chunk``, on by default): admission only takes a row (
 each round then runs one decoding step for the running sequences and at most ``prefill_chunk``
 prompt tokens of the admitted ones (``Engine.prefill_step``), so a long prompt delays running
 streams by a chunk at a time. A sequence whose prompt is done joins the next step.
-The optional ``policy`` gives each step its draft budget (``Engine.step(budget=...)``; see
-``policy``) and is told each step's batch size, budget, verified rows, time and emitted tokens.
+Each running request's draft budget is the engine's draft-budget estimator's (``Engine.gate``:
+its own acceptance against this batch size's step costs); the optional ``policy`` (a user's
+``num_speculative_tokens_per_batch_size`` table, see ``policy``) caps it per step
+(``Engine.step(budget=...)``) and is told each step's batch size, budget, rows, time and tokens.
 The scheduler uses only the engine's public surface (admit, step, abort); it never edits it.
 """
 from __future__ import annotations
@@ -94,6 +96,7 @@ def spec_stats(stats) -> dict:
             "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
             "accepted_per_pos": list(stats.accepted_per_pos),
             "acceptance_rate_per_pos": [round(x, 4) for x in stats.acceptance_rate_per_pos],
+            "draft_budgets": {str(k): v for k, v in sorted(stats.budgets.items())},
             "acceptance": stats.acceptance, "lossy": stats.lossy}
 
 
