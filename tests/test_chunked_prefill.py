@@ -153,3 +153,17 @@ def test_bad_calls_are_refused_and_take_no_row():
     with pytest.raises(ValueError, match="max_tokens"):
         eng.prefill_step(0)
     assert eng.prefill_step(100) == 3 and eng.num_running == 1
+
+
+def test_a_short_prompt_is_not_queued_behind_a_long_one():
+    eng = _engine(max_batch=2)
+    long = Sequence(list(PROMPTS[0]) * 2, _params())            # 90 tokens
+    short = Sequence(list(PROMPTS[1]), _params())               # 9 tokens
+    eng.begin(long)
+    eng.prefill_step(20)
+    eng.begin(short)
+    assert eng.prefill_step(20) == 20                           # the short prompt first, the long one the rest
+    assert short.output_ids and not long.output_ids and eng.num_running == 1
+    _drain(eng, 20)
+    assert long.output_ids == _whole(long.prompt_ids, _params()).output_ids
+    assert short.output_ids == _whole(PROMPTS[1], _params()).output_ids

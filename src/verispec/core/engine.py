@@ -210,20 +210,21 @@ class Engine:
         return len(self.prefilling)
 
     def prefill_step(self, max_tokens: int) -> int:
-        """Prefill at most ``max_tokens`` prompt tokens of the sequences ``begin`` admitted, oldest
-        first; each one whose prompt completes starts decoding (its first token is emitted).
+        """Prefill at most ``max_tokens`` prompt tokens of the sequences ``begin`` admitted (short
+        prompts first, then the oldest: ``_next_prefill``); each one whose prompt completes starts
+        decoding (its first token is emitted).
         Returns the tokens prefilled. A failure aborts that sequence only (its row is freed, its
         ``finish_reason`` is "abort") and is raised."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         done = 0
         while self.prefilling and done < max_tokens:
-            job = self.prefilling[0]
+            job = self._next_prefill(max_tokens)
             try:
                 done += job.run(max_tokens - done)
                 if job.result is None:
                     continue
-                self.prefilling.pop(0)
+                self.prefilling.remove(job)
                 logits, feats = job.result
                 self._start_decoding(job.seq, job.hit, logits, feats)
             except BaseException:
@@ -232,6 +233,12 @@ class Engine:
                 raise
             self._emit(job.seq, [job.seq.root], self._logprobs(job.seq, logits[None], [job.seq.root]))
         return done
+
+    def _next_prefill(self, max_tokens: int) -> PrefillJob:
+        """The oldest prompt that fits in half the budget, else the oldest: a short prompt that
+        arrives while a long one is being prefilled starts decoding within a round or two instead
+        of waiting for the whole long prompt, and the long one still gets half of every round."""
+        return next((j for j in self.prefilling if j.left <= max_tokens // 2), self.prefilling[0])
 
     def _check_prompt(self, seq: Sequence) -> None:
         n = len(seq.prompt_ids)
