@@ -46,7 +46,14 @@ choice: a sampled request's draws depend on which steps drafted, so its budgets 
 its seed alone to be reproducible). Per request, because a step's time grows with its
 context: an engine serves short and long prompts one after another, and a request that stops
 drafting is often a long one (summaries, retrieval), whose plain steps would make every
-drafted step of a short one look cheap. At batch > 1 the modelled ratios are used.
+drafted step of a short one look cheap.
+
+At batch > 1 the ratios are the batch's (``batch_cost.BatchCosts``: modelled from the measured
+verify curve at B x (1 + m) rows, then measured per batch-size bucket, with plain probe steps of
+the whole batch); ``plan`` decides all requests of a step at its batch size. A request whose best
+budget is 0 only because the batch is large (at batch 1 it would draft) takes a plain step and
+keeps its mode, so it drafts again as soon as the batch shrinks. This is the one draft-budget
+estimator: the engine asks it every step, for ``LLM.generate`` and the server alike.
 
 Lossless by construction: the gate only chooses how many draft nodes a request gets this step; a
 step without any is a plain decoding step. Knows nothing about drafters or models.
