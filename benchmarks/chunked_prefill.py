@@ -8,9 +8,10 @@ with the server's defaults otherwise (auto weights, compiled forwards, 2 threads
 ``--long-every`` seconds, asking for one token. The configurations take turns, window by window,
 so a busy shared machine hits them alike.
 
-Measured per configuration, over all windows: the gaps between consecutive token chunks of the
-streams' token-carrying chunks (ITL p50/p95/p99/max, client side; a request's wait for its first
-token is not a gap), the streams' tokens per second, and the long prompts' time to first token. Writes ``benchmarks/results/chunked_prefill.json`` and ``.md``.
+Measured per configuration, over all windows: the gaps between consecutive token-carrying chunks
+of a stream (ITL p50/p95/p99/max, client side; a request's wait for its first token is not a gap),
+the streams' tokens per second, the long prompts' time to first token, and from each server's
+/metrics the seconds it spent compiling and the forwards it ran eagerly during the windows. Writes ``benchmarks/results/chunked_prefill.json`` and ``.md``.
 
     python benchmarks/chunked_prefill.py                  # chunks 0 (off), 512, 256 and 128
 """
@@ -114,7 +115,8 @@ def measure(args: argparse.Namespace) -> dict:
     srv_args = argparse.Namespace(model=args.model, levels=[args.streams + 4], max_model_len=args.long_tokens + 512,
                                   num_threads=args.threads, weights=args.weights, compile=args.compile)
     servers = {name: Server(srv_args, extra) for name, extra in configs.items()}
-    acc = {name: {"gaps": [], "ttfts": [], "tokens": 0, "wall_s": 0.0} for name in configs}
+    acc = {name: {"gaps": [], "ttfts": [], "tokens": 0, "wall_s": 0.0, "compile_s": 0.0, "eager": 0.0}
+           for name in configs}
     try:
         for s in servers.values():
             s.wait_ready()
@@ -125,7 +127,11 @@ def measure(args: argparse.Namespace) -> dict:
         names = list(configs)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
+                m0 = servers[name].metrics()
                 got = asyncio.run(window(servers[name].url, [prompts.pop() for _ in range(per_window)], args))
+                m1 = servers[name].metrics()
+                acc[name]["compile_s"] += m1["verispec:compile_seconds"] - m0["verispec:compile_seconds"]
+                acc[name]["eager"] += m1["verispec:eager_forwards"] - m0["verispec:eager_forwards"]
                 for k in ("gaps", "ttfts"):
                     acc[name][k] += got[k]
                 acc[name]["tokens"] += got["tokens"]
@@ -137,7 +143,8 @@ def measure(args: argparse.Namespace) -> dict:
         for s in servers.values():
             s.stop()
     rows = {name: {"server_args": configs[name], "itl_ms": _stats(a["gaps"]), "long_ttft_ms": _stats(a["ttfts"]),
-                   "stalled_share": stalled_share(a["gaps"]),
+                   "stalled_share": stalled_share(a["gaps"]), "compile_s_in_windows": round(a["compile_s"], 1),
+                   "eager_forwards_in_windows": int(a["eager"]),
                    "stream_tokens_per_s": round(a["tokens"] / a["wall_s"], 2)} for name, a in acc.items()}
     return {"machine": machine, "settings": harness.settings(args), "long_prompt_tokens": n_long, "configs": rows}
 
@@ -150,12 +157,12 @@ def render(res: dict) -> str:
              f"Server defaults otherwise (weights {s['weights']}, compile {s['compile']}, {s['threads']} threads). "
              "ITL: gaps between a stream's consecutive SSE chunks, client side. Stalled: the share of "
              f"the streams' time spent in gaps of {STALL_S * 1000:.0f} ms or more.", "",
-             "| configuration | ITL p50 ms | ITL p95 ms | ITL p99 ms | ITL max ms | stalled | stream tok/s | long-prompt TTFT p50 ms | p95 ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| configuration | ITL p50 ms | ITL p95 ms | ITL p99 ms | ITL max ms | stalled | stream tok/s | long-prompt TTFT p50 ms | p95 ms | compiling in windows s | eager forwards |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in res["configs"].items():
         i, t = r["itl_ms"], r["long_ttft_ms"]
         lines.append(f"| {name} | {i['p50']} | {i['p95']} | {i['p99']} | {i['max']} | {r['stalled_share']:.0%} | {r['stream_tokens_per_s']} "
-                     f"| {t['p50']} | {t['p95']} |")
+                     f"| {t['p50']} | {t['p95']} | {r.get('compile_s_in_windows', '-')} | {r.get('eager_forwards_in_windows', '-')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -414,6 +414,19 @@ def test_client_disconnect_mid_stream_frees_its_row(plain, n):
     assert 3 <= generated < 400 * n
 
 
+def test_compile_gauges_follow_the_compiled_forward():
+    """A compiled server's /metrics shows the graphs compiled, the seconds it took and the eager
+    forwards (a rise under load is a recompile or a batch off the compiled path)."""
+    from types import SimpleNamespace
+    from prometheus_client import generate_latest
+    from verispec.serve.metrics import ServerMetrics
+    m = ServerMetrics()
+    m.observe_compiled(SimpleNamespace(graphs=3, compile_s=12.5, eager_calls=7))
+    got = {s.name: s.value for fam in text_string_to_metric_families(generate_latest(m.registry).decode())
+           for s in fam.samples}
+    assert (got["verispec:compiled_graphs"], got["verispec:compile_seconds"], got["verispec:eager_forwards"]) == (3, 12.5, 7)
+
+
 def test_metrics_parse_and_match_the_work_done(plain):
     before = plain.metrics()
     client = plain.client()

@@ -90,6 +90,14 @@ class ServerMetrics:
         self.prefix_cache_bytes = Gauge("verispec:prefix_cache_bytes",
                                         "Bytes of K/V and target features held by the prefix cache.", registry=r)
         self._prefix_seen = (0, 0)
+        self.compiled_graphs = Gauge("verispec:compiled_graphs",
+                                     "Graphs torch.compile made in this process (warm-up included); a rise "
+                                     "under load is a recompile a request waited for.", registry=r)
+        self.compile_seconds = Gauge("verispec:compile_seconds",
+                                     "Seconds spent in forwards that compiled, in this process.", registry=r)
+        self.eager_forwards = Gauge("verispec:eager_forwards",
+                                    "Decode/verify forwards run eagerly by a compiled server (batch rows "
+                                    "other than 0..B-1).", registry=r)
         for reason in FINISH_REASONS:
             self.finished.labels(finished_reason=reason)
         self._lock = threading.Lock()
@@ -129,6 +137,12 @@ class ServerMetrics:
             self.prefix_cache_hits.inc(stats.hits - h0)
             self._prefix_seen = (stats.queries, stats.hits)
             self.prefix_cache_bytes.set(stats.bytes_used)
+
+    def observe_compiled(self, forward) -> None:
+        """Set the compile gauges from a ``models.compiled.CompiledForward`` (its process-wide counts)."""
+        self.compiled_graphs.set(forward.graphs)
+        self.compile_seconds.set(forward.compile_s)
+        self.eager_forwards.set(forward.eager_calls)
 
     def set_acceptance(self, rule) -> None:
         """Report the engine's acceptance rule (an ``acceptance.AcceptanceRule``)."""

@@ -288,6 +288,8 @@ class Scheduler:
         self._prefill()
         if self.engine.prefix_cache is not None:
             self.metrics.observe_prefix_cache(self.engine.prefix_cache.stats())
+        if self.llm.compiled is not None:
+            self.metrics.observe_compiled(self.llm.compiled)
         self.metrics.running.set(self.engine.num_running)
         self.metrics.waiting.set(len(self._waiting))
         return True
