@@ -8,7 +8,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # conftest sets PASSIVE (two pytest workers share the 2 cores). The threaded fp16 kernel and the int4
 # kernel hand work to the second thread ~120 times a token: a sleeping thread costs ~50 us to wake.
 
-.PHONY: setup demo test test-slow qwen llamacpp sharegpt regen draft-vocab-qwen train-eagle3 train-medusa bench clean
+.PHONY: setup demo test test-slow qwen llamacpp llama-server sharegpt regen draft-vocab-qwen train-eagle3 train-medusa bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -82,6 +82,20 @@ $(VENV)/.llamacpp: $(STAMP)
 	$(BIN)/pip install -q $(LLAMA_CPP)
 	touch $@
 llamacpp: $(VENV)/.llamacpp
+
+# llama.cpp's own server, the serving peer: built offline with cmake from the llama.cpp source tree
+# that the same sdist carries (vendor/llama.cpp, tools/server included); the web UI is not fetched.
+LLAMA_SRC := build/llama-cpp-src
+LLAMA_SERVER := build/llama.cpp/bin/llama-server
+$(LLAMA_SERVER): $(STAMP)
+	mkdir -p $(LLAMA_SRC)
+	$(BIN)/pip download -q --no-deps --no-binary :all: $(LLAMA_CPP) -d $(LLAMA_SRC)
+	tar xzf $(LLAMA_SRC)/llama_cpp_python-*.tar.gz -C $(LLAMA_SRC)
+	cmake -S $(LLAMA_SRC)/llama_cpp_python-*/vendor/llama.cpp -B build/llama.cpp -DCMAKE_BUILD_TYPE=Release \
+	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
+	cmake --build build/llama.cpp --target llama-server -j $$(nproc)
+llama-server: $(LLAMA_SERVER)
 
 # --- Benchmarks: `make bench SUITE=NAME` runs one suite declared in src/verispec/bench/suites.py
 # (its workload, methods and result file live there); `make bench` lists them. Results and the

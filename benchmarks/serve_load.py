@@ -9,9 +9,15 @@ side and each level is measured for every configuration in turn, so background l
 machine hits the configurations alike. Greedy decoding, so every
 configuration must produce the same text for the same question (checked: ``outputs_identical``).
 
+The peer: ``llama-server`` (``make llama-server``: llama.cpp's server built from the source the
+llama-cpp-python sdist carries) on the same model's GGUF, with the same threads, one slot per user
+of the largest level, plain (``llama-server``) and with its own speculation (``llama-server+spec``,
+``--peer-spec``), under the same client.
+
 Measured per level: output tokens per second (all completion tokens / wall time of the level),
 time to first token (client side: until the first SSE chunk, which the server sends once the first
-token exists) and end-to-end latency P50/P95/P99, plus the server's speculation counters.
+token exists), inter-token latency (gaps between a stream's token-carrying chunks) and end-to-end
+latency P50/P95/P99, errors, each server's peak RSS, plus the server's speculation counters.
 Writes ``benchmarks/results/serve_load.json`` and ``.md``.
 
     python benchmarks/serve_load.py                       # defaults: ngram k=4, levels 1,4,16,32
@@ -80,6 +86,10 @@ class Server:
                 out[key] = s.value
         return out
 
+    def peak_rss_mb(self) -> float | None:
+        """The server process's peak resident memory (VmHWM), read before it stops."""
+        return peak_rss_mb(self.proc.pid)
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -88,12 +98,66 @@ class Server:
             self.proc.kill()
 
 
+def peak_rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+LLAMA_SERVER = ROOT / "build" / "llama.cpp" / "bin" / "llama-server"
+
+
+class LlamaServer(Server):
+    """llama.cpp's ``llama-server`` (``make llama-server``) on the same GGUF, threads and context per
+    slot, with one slot per user of the largest level (``-np``) and continuous batching; ``extra``:
+    its own speculation flags (``--spec-type ngram-mod``, ``-md draft.gguf``). Its /metrics are
+    not read: it has no speculation counters of ours."""
+
+    def __init__(self, args: argparse.Namespace, extra: list[str]):
+        from verispec.models.sources import resolve_model
+        if not LLAMA_SERVER.exists():
+            raise RuntimeError(f"{LLAMA_SERVER} is missing: run 'make llama-server' first")
+        gguf = resolve_model(args.model).path
+        if gguf.suffix != ".gguf":
+            raise RuntimeError(f"the llama-server peer needs a GGUF model, {args.model} is {gguf}")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        slots = max(args.levels)
+        cmd = [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
+               "-t", str(args.num_threads), "-tb", str(args.num_threads), "-np", str(slots),
+               "-c", str(slots * args.max_model_len), "--jinja", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {Path(self.log.name).read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:     # model loaded
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("llama-server did not become ready")
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
 # ---------------------------------------------------------------------------- load generation
 async def one_request(client: httpx.AsyncClient, question: str, max_tokens: int) -> dict:
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, text, usage = None, [], None
+    ttft, text, usage, gaps, last = None, [], None, [], None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             return {"error": r.status_code, "detail": (await r.aread()).decode()[:200]}
@@ -107,8 +171,14 @@ async def one_request(client: httpx.AsyncClient, question: str, max_tokens: int)
                 return {"error": chunk["error"].get("code"), "detail": chunk["error"]["message"]}
             usage = chunk.get("usage") or usage
             for c in chunk.get("choices", []):
-                text.append(c["delta"].get("content") or "")
-    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "text": "".join(text),
+                piece = c["delta"].get("content") or ""
+                text.append(piece)
+                if piece:                                   # inter-token latency: token-carrying chunks
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "text": "".join(text), "gaps": gaps,
             "tokens": usage["completion_tokens"] if usage else 0}
 
 
@@ -147,11 +217,13 @@ def _pct(values: list[float], p: float) -> float | None:
 def summarize(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if "error" not in r]
     ttft, e2e = [r["ttft"] for r in ok if r["ttft"] is not None], [r["e2e"] for r in ok]
+    itl = [g for r in ok for g in r.get("gaps", ())]
     tokens = sum(r["tokens"] for r in ok)
     return {"requests": len(ok), "errors": len(results) - len(ok), "output_tokens": tokens,
             "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 3) if wall > 0 else 0.0,
             "ttft_s": {f"p{p}": _pct(ttft, p) for p in (50, 95, 99)},
             "e2e_s": {f"p{p}": _pct(e2e, p) for p in (50, 95, 99)},
+            "itl_ms": {f"p{p}": None if not itl else round(_pct(itl, p) * 1e3, 1) for p in (50, 95, 99)},
             "error_details": sorted({str(r.get("detail"))[:120] for r in results if "error" in r})[:3]}
 
 
@@ -170,7 +242,8 @@ def run_configs(configs: dict[str, list[str]], questions: list[dict], args: argp
     """All servers run side by side (idle ones use no CPU); levels are the outer loop so that
     every configuration of a level is measured within minutes of the others (fair on a shared,
     noisy machine)."""
-    servers = {name: Server(args, extra) for name, extra in configs.items()}
+    servers = {name: (LlamaServer if name.startswith("llama-server") else Server)(args, extra)
+               for name, extra in configs.items()}
     out = {name: {"server_args": extra, "levels": {}, "texts": {}} for name, extra in configs.items()}
     try:
         for name, server in servers.items():
@@ -189,7 +262,8 @@ def run_configs(configs: dict[str, list[str]], questions: list[dict], args: argp
                       f"ttft p50 {summary['ttft_s']['p50']}  e2e p50 {summary['e2e_s']['p50']}  "
                       f"req {summary['requests']} err {summary['errors']}  {summary['speculation']}", flush=True)
     finally:
-        for server in servers.values():
+        for name, server in servers.items():
+            out[name]["peak_rss_mb"] = server.peak_rss_mb()
             server.stop()
     return out
 
@@ -210,8 +284,9 @@ def compare(report: dict) -> None:
             lvl: round(s["tokens_per_s"] / base[lvl]["tokens_per_s"], 3) if base.get(lvl, {}).get("tokens_per_s") else None
             for lvl, s in cfg["levels"].items()}
     ref = report["configs"]["baseline"]["texts"]
-    report["outputs_identical"] = all(
-        cfg["texts"].get(q, t) == t for cfg in report["configs"].values() for q, t in ref.items())
+    report["outputs_identical"] = all(                # verispec's configurations (a peer's numerics differ)
+        cfg["texts"].get(q, t) == t for name, cfg in report["configs"].items() if not name.startswith("llama-server")
+        for q, t in ref.items())
     for cfg in report["configs"].values():
         cfg["num_texts"] = len(cfg.pop("texts"))
 
@@ -225,17 +300,21 @@ def markdown(report: dict) -> str:
              f"up to {s['requests_per_level']} requests (>= 1 per user) or {s['level_budget_s']} s per level; "
              "configurations measured in turn for each level.",
              f"Speculation: `{s['speculative_config']}`; policy config: `{s['policy']}`.", "",
-             "| config | users | tok/s | speedup | TTFT p50 / p95 / p99 (s) | e2e p50 / p95 / p99 (s) "
-             "| requests | mean acc. len |", "|---|---|---|---|---|---|---|---|"]
+             "| config | users | tok/s | speedup | TTFT p50 / p95 / p99 (s) | ITL p50 / p95 / p99 (ms) "
+             "| e2e p50 / p95 / p99 (s) | requests | mean acc. len | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, cfg in report["configs"].items():
         for lvl, r in cfg["levels"].items():
             sp = report["speedup_vs_baseline"].get(name, {}).get(lvl)
-            t, e = r["ttft_s"], r["e2e_s"]
+            t, e, i = r["ttft_s"], r["e2e_s"], r.get("itl_ms", {})
             lines.append(f"| {name} | {lvl} | {r['tokens_per_s']:.2f} | {'' if sp is None else f'{sp:.2f}x'} "
-                         f"| {t['p50']} / {t['p95']} / {t['p99']} | {e['p50']} / {e['p95']} / {e['p99']} "
-                         f"| {r['requests']} ({r['errors']} err) | {r['speculation']['mean_acceptance_length'] or '-'} |")
+                         f"| {t['p50']} / {t['p95']} / {t['p99']} | {i.get('p50')} / {i.get('p95')} / {i.get('p99')} "
+                         f"| {e['p50']} / {e['p95']} / {e['p99']} "
+                         f"| {r['requests']} ({r['errors']} err) | {r['speculation'].get('mean_acceptance_length') or '-'} "
+                         f"| {cfg.get('peak_rss_mb') or '-'} |")
     lines += ["", f"Outputs identical across configurations (lossless): {report['outputs_identical']}.", ""]
     for name, speedups in report["speedup_vs_baseline"].items():
+        if name.startswith("llama-server"):
+            continue
         met = {lvl: (speedups.get(str(lvl)) or 0) >= t for lvl, t in TARGETS.items() if str(lvl) in speedups}
         lines.append(f"Issue targets (>= {TARGETS[1]}x at 1 user, >= {TARGETS[4]}x at 4, >= {TARGETS[32]}x at 32) "
                      f"for `{name}`: {met}.")
@@ -260,13 +339,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=1088)
     p.add_argument("--requests-per-level", type=int, default=8)
     p.add_argument("--level-budget-s", type=float, default=30.0)
-    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--num-threads", type=int, default=2, help="threads of every server (default: 2)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="the server's compiled forwards (its default)")
-    p.add_argument("--weights", choices=("auto", "dense", "fp16", "int4", "int4-a8", "int8"), default="dense",
+    p.add_argument("--weights", choices=("auto", "dense", "fp16", "int4", "int4-a8", "int8"), default="auto",
                    help="server --weights (auto: the server's default, the fastest faithful weights)")
     p.add_argument("--questions-per-category", type=int, default=4)
-    p.add_argument("--configs", default="baseline,speculative,speculative+policy")
+    p.add_argument("--configs", default="baseline,speculative,speculative+policy",
+                   help="comma-separated: baseline, speculative, speculative+policy, llama-server, llama-server+spec")
+    p.add_argument("--peer-spec", default="--spec-type ngram-mod",
+                   help="llama-server's speculation flags for 'llama-server+spec' (e.g. '-md draft.gguf')")
     p.add_argument("--render", metavar="JSON", help="rewrite the Markdown of this saved JSON result "
                    "(as --rerender --out JSON without .json)")
     args = OUTPUT.parse(p, argv)
@@ -282,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     whole = json.dumps({**json.loads(args.speculative_config), "adaptive_drafting": False})
     configs = {"baseline": [], "speculative": ["--speculative-config", whole],      # whole trees every step
                "speculative+policy": ["--speculative-config", args.speculative_config,
-                                      "--num-speculative-tokens-per-batch-size", args.policy]}
+                                      "--num-speculative-tokens-per-batch-size", args.policy],
+               "llama-server": [], "llama-server+spec": args.peer_spec.split()}
     wanted = args.configs.split(",")
     settings = {k: v for k, v in harness.settings(args).items() if k != "render"}
     report = {"machine": harness.machine_record(), "settings": settings,
