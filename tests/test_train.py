@@ -225,6 +225,7 @@ def test_resume_continues_the_same_curve(tmp_path, single_thread):
     straight = Trainer(tiny_task(tiny_target(), data), data, data[:4], _cfg(tmp_path / "a", 6)).fit()
     half = Trainer(tiny_task(tiny_target(), data), data, data[:4], _cfg(tmp_path / "b", 6, stop_after=3)).fit()
     assert half.steps == 3 and not (tmp_path / "b" / "checkpoint").exists()
+    assert (tmp_path / "b" / "checkpoint-last" / "config.json").exists()      # the head so far
     # a differently initialised head: everything must come from the saved state
     second = Trainer(tiny_task(tiny_target(), data, seed=5), data, data[:4], _cfg(tmp_path / "b", 6))
     assert second.step == 3

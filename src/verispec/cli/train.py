@@ -110,7 +110,8 @@ def cmd_eagle3(args: argparse.Namespace) -> int:
         "method": "eagle3.1" if args.eagle31 else "eagle3", "ttt_length": args.ttt_length, "loss": args.loss,
         "draft_vocab_size": vocab.size, "draft_vocab_coverage": round(vocab.coverage(counts), 4)})
     done = result.steps >= train_config(args).max_steps if args.max_steps else (Path(args.out) / "checkpoint").exists()
-    print(f"{'wrote ' + str(Path(args.out) / 'checkpoint') if done else 'stopped early (resume to finish)'}; "
+    last = Path(args.out) / "checkpoint-last"
+    print(f"{'wrote ' + str(Path(args.out) / 'checkpoint') if done else f'stopped early (resume to finish; the head so far: {last})'}; "
           f"held-out: {result.eval}")
     return 0
 

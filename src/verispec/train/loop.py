@@ -340,8 +340,8 @@ class Trainer:
         done = self.step >= self.total
         self._log({"step": self.step, "eval": ev, "final": done})
         self._save_state()
-        if self.rank == 0 and done:
-            self.task.save(cfg.out_dir / "checkpoint")
+        if self.rank == 0:                 # a sitting stopped early leaves its head to evaluate or measure
+            self.task.save(cfg.out_dir / ("checkpoint" if done else "checkpoint-last"))
         if dist.is_initialized():
             dist.barrier()
         return TrainResult(self.step, time.perf_counter() - t0, last, ev, self.log_path, cfg.batch_size)
