@@ -136,6 +136,9 @@ def measure(args: argparse.Namespace) -> dict:
                     acc[name][k] += got[k]
                 acc[name]["tokens"] += got["tokens"]
                 acc[name]["wall_s"] += got["wall_s"]
+                acc[name].setdefault("windows", []).append({
+                    "round": r, "itl_ms": _stats(got["gaps"]), "stalled_share": stalled_share(got["gaps"]),
+                    "compile_s": round(m1["verispec:compile_seconds"] - m0["verispec:compile_seconds"], 1)})
                 print(f"round {r} {name:>14}: ITL p95 {_stats(got['gaps'])['p95']} ms, max {_stats(got['gaps'])['max']} ms, "
                       f"stalled {stalled_share(got['gaps'])}, long TTFT p50 "
                       f"{_stats(got['ttfts'])['p50']} ms, {got['tokens'] / got['wall_s']:.1f} stream tok/s", flush=True)
@@ -144,7 +147,7 @@ def measure(args: argparse.Namespace) -> dict:
             s.stop()
     rows = {name: {"server_args": configs[name], "itl_ms": _stats(a["gaps"]), "long_ttft_ms": _stats(a["ttfts"]),
                    "stalled_share": stalled_share(a["gaps"]), "compile_s_in_windows": round(a["compile_s"], 1),
-                   "eager_forwards_in_windows": int(a["eager"]),
+                   "eager_forwards_in_windows": int(a["eager"]), "windows": a.get("windows", []),
                    "stream_tokens_per_s": round(a["tokens"] / a["wall_s"], 2)} for name, a in acc.items()}
     return {"machine": machine, "settings": harness.settings(args), "long_prompt_tokens": n_long, "configs": rows}
 
@@ -163,6 +166,12 @@ def render(res: dict) -> str:
         i, t = r["itl_ms"], r["long_ttft_ms"]
         lines.append(f"| {name} | {i['p50']} | {i['p95']} | {i['p99']} | {i['max']} | {r['stalled_share']:.0%} | {r['stream_tokens_per_s']} "
                      f"| {t['p50']} | {t['p95']} | {r.get('compile_s_in_windows', '-')} | {r.get('eager_forwards_in_windows', '-')} |")
+    per_window = [(name, w) for name, r in res["configs"].items() for w in r.get("windows", [])]
+    if per_window:
+        lines += ["", "Per window (a window that compiled shows it):", "",
+                  "| configuration | round | ITL max ms | stalled | compiling s |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {name} | {w['round']} | {w['itl_ms']['max']} | {w['stalled_share']:.0%} | {w['compile_s']} |"
+                  for name, w in per_window]
     return "\n".join(lines) + "\n"
 
 
