@@ -81,6 +81,8 @@ class GateConfig:
     time_window: int = 32      # a request's batch-1 step times kept per budget for its measured ratios
     min_timed: int = 4         # steps of a budget (and plain ones) timed before its measured ratio is used
     probe_every: int = 16      # a timed request drafting takes a plain (probe) step every this many steps
+    time_requests: bool = True  # batch-1 steps time each request (probes, measured ratios); False: the
+                                # modelled ratios at batch 1 (a drafter whose proposals are host work)
 
     def __post_init__(self) -> None:
         if self.window < 1 or not self.prior_steps >= 0.0 or self.trial < 1:
@@ -382,7 +384,7 @@ class DraftGate:
         for i in seq_ids:                             # untimed this step: no probes until timed again
             if i is not None and i in self._seqs:
                 self._seqs[i].timed = False
-        st = self._seqs.get(seq_ids[0]) if len(seq_ids) == 1 else None
+        st = self._seqs.get(seq_ids[0]) if len(seq_ids) == 1 and self.config.time_requests else None
         if st is not None:
             st.timed = True
             st.times.setdefault(budgets[0], deque(maxlen=self.config.time_window)).append(time_s)
