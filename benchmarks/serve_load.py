@@ -63,18 +63,20 @@ class Server:
         env = dict(os.environ, OMP_NUM_THREADS=str(args.num_threads), PYTHONPATH=str(ROOT / "src"))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
+    name, ready_path = "server", "/ready"       # verispec's /ready: after the warm-up
+
     def wait_ready(self, timeout: float = 900.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {Path(self.log.name).read_text()[-3000:]}")
+                raise RuntimeError(f"{self.name} exited: {Path(self.log.name).read_text()[-3000:]}")
             try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:      # after the warm-up
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError("server did not become ready")
+        raise RuntimeError(f"{self.name} did not become ready")
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=30).text
@@ -116,6 +118,7 @@ class LlamaServer(Server):
     slot, with one slot per user of the largest level (``-np``) and continuous batching; ``extra``:
     its own speculation flags (``--spec-type ngram-mod``, ``-md draft.gguf``). Its /metrics are
     not read: it has no speculation counters of ours."""
+    name, ready_path = "llama-server", "/health"    # 200 once the model is loaded
 
     def __init__(self, args: argparse.Namespace, extra: list[str]):
         from verispec.models.sources import resolve_model
@@ -134,19 +137,6 @@ class LlamaServer(Server):
                "-t", str(args.num_threads), "-tb", str(args.num_threads), "-np", str(slots),
                "-c", str(slots * args.max_model_len), "--jinja", *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 900.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {Path(self.log.name).read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:     # model loaded
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("llama-server did not become ready")
 
     def metrics(self) -> dict[str, float]:
         return {}
