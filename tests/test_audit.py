@@ -60,7 +60,8 @@ def test_greedy_difference_that_is_no_tie_fails(target, prompts):
         def propose(self, requests):
             return [DraftTree.chain([7]) for _ in requests]
     register("test_audit_wrong", lambda c, t: lambda b, n: Wrong())
-    llm = LLM(loaded=target, speculative_config={"method": "test_audit_wrong"})
+    # every step drafts (the draft-budget estimator off): the broken rule must see the drafts
+    llm = LLM(loaded=target, speculative_config={"method": "test_audit_wrong", "adaptive_drafting": False})
     llm.acceptance = BrokenAcceptance()
     rep = audit(llm, prompts[:1], SamplingParams(temperature=0.0), max_tokens=8)
     case = rep.greedy[0]
