@@ -191,12 +191,7 @@ class Engine:
         self._take_row(seq)
         try:
             hit = self._load_prefix(seq)
-            layers, want_last = self._feature_request()
-            k = seq.params.prompt_logprobs
-            if k is not None:
-                seq.prompt_logprobs = []
-            gen = chunked_prefill(self.model, self.cache, seq.row, seq.prompt_ids, hit.num_tokens, layers,
-                                  want_last, k, seq.prompt_logprobs)
+            gen = self._prefill_gen(seq.row, seq.prompt_ids, seq, hit.num_tokens)
             next(gen)
         except BaseException:
             self._unadmit(seq)
@@ -355,12 +350,17 @@ class Engine:
         """Prefill of one row from position ``start`` (the row's cache length: tokens before it
         came from the prefix cache), in chunks of ``PREFILL_CHUNK``; features of positions
         ``start..``. Fills ``seq.prompt_logprobs`` when its params ask (only from ``start`` 0)."""
+        return run_all(self._prefill_gen(row, ids, seq, start), PREFILL_CHUNK)
+
+    def _prefill_gen(self, row: int, ids: list[int], seq: Sequence | None, start: int):
+        """The chunk generator of one row's prefill (``prefill.chunked_prefill``), with the
+        drafter's feature layers and ``seq``'s prompt logprobs (reset here) when it asks."""
         layers, want_last = self._feature_request()
         k = seq.params.prompt_logprobs if seq is not None else None
         if k is not None:
             seq.prompt_logprobs = []
-        return run_all(chunked_prefill(self.model, self.cache, row, ids, start, layers, want_last, k,
-                                       seq.prompt_logprobs if k is not None else None), PREFILL_CHUNK)
+        return chunked_prefill(self.model, self.cache, row, ids, start, layers, want_last, k,
+                               seq.prompt_logprobs if k is not None else None)
 
     def _feature_request(self) -> tuple[tuple[int, ...], bool]:
         if self._drafter is None:
