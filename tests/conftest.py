@@ -8,11 +8,31 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # no busy-waiting threads 
 if "VERISPEC_COST_CACHE" not in os.environ:           # measured draft costs: per test process, not ~/.cache
     import tempfile
     os.environ["VERISPEC_COST_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="verispec-costs-"), "costs.json")
+if "VERISPEC_STEP_COSTS" not in os.environ:
+    # Pinned step costs (``draft_shape.pinned_costs``): every draft shape and drafting decision is
+    # the same on any machine, AVX2 or AVX-512, cold cache or warm. The curve is CPU-like: a
+    # verify over a few tokens costs about one forward, then grows linearly. Tests of the
+    # measurement itself unset the variable (``measured_costs``).
+    import json
+    import tempfile
+    _pinned = os.path.join(tempfile.mkdtemp(prefix="verispec-pinned-"), "step_costs.json")
+    with open(_pinned, "w") as f:
+        json.dump({"verify": [[1, 20.0], [2, 20.5], [3, 21.0], [4, 21.5], [6, 23.0], [8, 25.0], [12, 30.0],
+                              [16, 35.0], [24, 45.0], [32, 55.0], [64, 95.0]],
+                   "draft_fixed": 2.0, "level": [[1, 1.0], [2, 1.1], [4, 1.3], [8, 1.6]]}, f)
+    os.environ["VERISPEC_STEP_COSTS"] = _pinned
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("VERISPEC_TEST_THREADS", "2")))
 TEST_DEVICE = os.environ.get("VERISPEC_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture
+def measured_costs(monkeypatch):
+    """For tests of the cost measurement itself: this machine's measured step costs, not the
+    suite's pinned ones."""
+    monkeypatch.delenv("VERISPEC_STEP_COSTS", raising=False)
 
 
 @pytest.fixture(scope="session")

@@ -200,3 +200,41 @@ def test_engine_reports_the_rows_of_the_padded_verify_forward(single_thread):
     assert eng.step(4).rows == 3 * (1 + 4)
     assert eng.step(2).rows == 3 * (1 + 2)
     assert eng.step(0).rows == 3
+
+
+def test_a_gate_without_step_times_decides_from_the_model_alone():
+    """``GateConfig(use_step_times=False)`` (pinned costs): no probes and no measured ratios, so a
+    machine far slower than modelled (``cpu_wide``) gets the same budgets as a fast one."""
+    from verispec.drafting.draft_gate import GateConfig
+
+    def untimed() -> DraftGate:
+        options = generic_options(4, FLAT8)
+        return DraftGate(options, GateConfig(use_step_times=False),
+                         costs=BatchCosts(FLAT8, {o.nodes: 0.0 for o in options}))
+    slow = Sim(cpu_wide, p=0.8, seed=3).run(untimed(), [0, 1], 120)
+    fast = Sim(cpu, p=0.8, seed=3).run(untimed(), [0, 1], 120)
+    assert slow == fast and drafted_share(slow) > 0.9          # no probe steps, same choices
+    timed = Sim(cpu_wide, p=0.8, seed=3).run(gate(), [0, 1], 120)
+    assert timed != slow                                       # with step times the slow machine differs
+
+
+def test_pinned_step_costs_replace_measurement(tmp_path, monkeypatch):
+    """``$VERISPEC_STEP_COSTS`` names the costs every shape is chosen from; nothing is measured,
+    and a file that is not step costs is a clear error."""
+    import json
+
+    from verispec.drafting.draft_shape import PINNED_ENV, cached_costs, pinned_costs
+    path = tmp_path / "pinned.json"
+    path.write_text(json.dumps({"verify": [[1, 10.0], [4, 11.0]], "draft_fixed": 1.5, "chain": [0.4, 0.2]}))
+    monkeypatch.setenv(PINNED_ENV, str(path))
+    costs = cached_costs("any key", lambda: pytest.fail("pinned costs are never measured"))
+    assert costs.verify == ((1, 10.0), (4, 11.0)) and costs.draft_fixed == 1.5 and costs.chain == (0.4, 0.2)
+    path.write_text(json.dumps({"verify": [[1, 0.0]], "draft_fixed": 1.0}))
+    with pytest.raises(ValueError, match="positive"):
+        pinned_costs()
+    path.write_text("{broken")
+    with pytest.raises(ValueError, match="not step costs"):
+        pinned_costs()
+    monkeypatch.setenv(PINNED_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="missing.json"):
+        pinned_costs()

@@ -86,7 +86,7 @@ def test_best_tree_follows_costs_and_acceptance():
     assert "modelled" in wide.describe() and wide.as_dict()["num_nodes"] == len(wide.choices)
 
 
-def test_cost_cache_round_trip(tmp_path, monkeypatch):
+def test_cost_cache_round_trip(tmp_path, monkeypatch, measured_costs):
     monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "costs.json"))
     calls = []
 
@@ -131,7 +131,7 @@ def profiled_head(tmp_path_factory):
 
 
 def test_default_config_chooses_its_tree_and_stays_lossless(packed_target, chat_prompts, profiled_head,
-                                                           tmp_path, monkeypatch):
+                                                           tmp_path, monkeypatch, measured_costs):
     monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "costs.json"))
     spec = LLM(loaded=packed_target, speculative_config={"method": "eagle3", "model": str(profiled_head)})
     shape = spec.draft_shape

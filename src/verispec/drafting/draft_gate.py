@@ -83,6 +83,9 @@ class GateConfig:
     probe_every: int = 16      # a timed request drafting takes a plain (probe) step every this many steps
     time_requests: bool = True  # batch-1 steps time each request (probes, measured ratios); False: the
                                 # modelled ratios at batch 1 (a drafter whose proposals are host work)
+    use_step_times: bool = True  # False: step times are ignored at every batch size (no probes, no
+                                 # measured ratios): decisions follow the modelled costs and the
+                                 # acceptance alone, the same on every machine (pinned step costs)
 
     def __post_init__(self) -> None:
         if self.window < 1 or not self.prior_steps >= 0.0 or self.trial < 1:
@@ -380,7 +383,10 @@ class DraftGate:
         """A whole engine step's wall time, its requests and the budget each drafted (0: plain);
         batch-1 steps feed that request's measured cost ratios. A request passed as None is not
         timed: its budgets then follow from its acceptance alone (a sampled request's output
-        depends on which steps drafted, so timings would make a seeded request irreproducible)."""
+        depends on which steps drafted, so timings would make a seeded request irreproducible).
+        Ignored under ``GateConfig(use_step_times=False)``."""
+        if not self.config.use_step_times:
+            return
         for i in seq_ids:                             # untimed this step: no probes until timed again
             if i is not None and i in self._seqs:
                 self._seqs[i].timed = False

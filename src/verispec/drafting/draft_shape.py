@@ -22,6 +22,10 @@ maximises expected tokens / cost; ``vanilla_ms`` (= verify(1)) gives the modelle
 
 Costs are measured once per machine, model, weights, threads and head and cached as JSON
 (``$VERISPEC_COST_CACHE``, default ``~/.cache/verispec/step_costs.json``); they describe batch 1.
+``$VERISPEC_STEP_COSTS`` names a JSON file of ``StepCosts`` fields instead: those costs are used
+for every target and head, nothing is measured, and the gates ignore step times
+(``GateConfig.use_step_times``), so every drafting decision is the same on any machine (the test
+suite pins its costs this way).
 """
 from __future__ import annotations
 
@@ -148,11 +152,13 @@ class ShapedFactory:
         batch-size costs of ``costs`` (``batch_cost``), or None (adaptive drafting off)."""
         from .batch_cost import BatchCosts
         from .draft_gate import DraftGate, GateConfig
-        options, config = self.gate_options, GateConfig()
+        times = pinned_costs() is None             # pinned costs: decisions from the model alone
+        options, config = self.gate_options, GateConfig(use_step_times=times)
         if not options and self.generic and self.costs is not None and max_nodes > 0:
             # a prior, not a profile: no per-request probes at batch 1, where drafting is near free
             # and a probe step would cost more than it tells (measured: suffix 1.37x -> 1.29x)
-            options, config = generic_options(max_nodes, self.costs.verify), GateConfig(time_requests=False)
+            options = generic_options(max_nodes, self.costs.verify)
+            config = GateConfig(time_requests=False, use_step_times=times)
         if not options:
             return None
         costs = None if self.costs is None else BatchCosts(self.costs.verify, {o.nodes: o.draft_ms for o in options})
@@ -373,8 +379,35 @@ def cache_path() -> Path:
     return Path(os.environ.get("VERISPEC_COST_CACHE", Path.home() / ".cache" / "verispec" / "step_costs.json"))
 
 
+PINNED_ENV = "VERISPEC_STEP_COSTS"
+
+
+def pinned_costs() -> StepCosts | None:
+    """The step costs of the JSON file ``$VERISPEC_STEP_COSTS`` (``verify`` [[T, ms], ...],
+    ``draft_fixed``, optional ``level`` [[w, ms], ...] and ``chain`` [fixed, level]), or None when
+    the variable is unset. A file that is missing or not such costs is a ``ValueError``."""
+    name = os.environ.get(PINNED_ENV)
+    if not name:
+        return None
+    try:
+        d = json.loads(Path(name).read_text())
+        chain = d.get("chain")
+        costs = StepCosts(tuple((int(t), float(ms)) for t, ms in d["verify"]), float(d["draft_fixed"]),
+                          tuple((int(w), float(ms)) for w, ms in d.get("level", ())),
+                          f"pinned by ${PINNED_ENV}", tuple(map(float, chain)) if chain else None)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"${PINNED_ENV}={name}: not step costs ({e})") from e
+    if not costs.verify or any(ms <= 0 for _, ms in costs.verify):
+        raise ValueError(f"${PINNED_ENV}={name}: 'verify' needs positive [T, ms] points")
+    return costs
+
+
 def cached_costs(key: str, measure: Callable[[], StepCosts]) -> StepCosts:
-    """The costs stored under ``key``, else measured now and stored (a broken cache is rewritten)."""
+    """The costs stored under ``key``, else measured now and stored (a broken cache is rewritten);
+    the pinned costs instead where ``$VERISPEC_STEP_COSTS`` is set (``pinned_costs``)."""
+    pinned = pinned_costs()
+    if pinned is not None:
+        return pinned
     path = cache_path()
     try:
         table = json.loads(path.read_text()) if path.exists() else {}
