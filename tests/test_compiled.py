@@ -83,6 +83,43 @@ def test_compiled_engine_greedy_equals_eager(tiny):
     assert compiled.graphs == graphs
 
 
+def test_rows_with_holes_run_compiled_with_ghost_rows(tiny, monkeypatch):
+    """Three requests, the middle one finishing first: the batch of rows [0, 2] runs the compiled
+    graph of rows 0..2 with row 1 as a ghost row (``core.row_padding``), and every output equals
+    the eager engine's, vanilla and speculative."""
+    import verispec.core.engine as engine_mod
+    model, compiled = tiny
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    budgets = [20, 5, 20]
+    padded = []
+    take = engine_mod.take_rows
+    monkeypatch.setattr(engine_mod, "take_rows", lambda out, index: padded.append(index.tolist()) or take(out, index))
+
+    def run(forward, drafter=None):
+        engine = Engine(model, drafter, max_batch=3, max_len=96, forward=forward)
+        seqs = [Sequence(prompt_ids=p, params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, budgets)]
+        engine.run(seqs)
+        return [s.output_ids for s in seqs]
+    eager = run(None)
+    assert not padded and [len(o) for o in eager] == budgets
+    assert run(compiled) == eager and [0, 2] in padded
+    padded.clear()
+    draft = DraftModelDrafter(tiny_llama(48, 32, 1, seed=3), max_batch=3, max_len=96, num_speculative_tokens=3)
+    assert run(compiled, draft) == eager and [0, 2] in padded
+
+
+def test_ghost_rows_only_where_they_pay():
+    """No padding for rows already 0..B-1, for more ghost rows than real ones, or for a ghost row
+    whose committed length would widen the attended slots."""
+    from verispec.core.row_padding import ghost_rows
+    assert ghost_rows([0, 1, 2], [5, 5, 5], 1, 64) == []
+    assert ghost_rows([0, 2], [5, 0, 5], 1, 64) == [1]
+    assert ghost_rows([1, 3], [0, 5, 0, 5], 2, 64) == [0, 2]
+    assert ghost_rows([0, 5], [5] * 6, 1, 64) == []                 # four ghosts for two rows
+    assert ghost_rows([0, 2], [5, 70, 5], 1, 64) == []              # a long prefilling row: eager
+
+
 @pytest.mark.slow
 def test_compiled_smollm2_greedy_equals_eager(packed_target, head_prompts):
     from verispec import LLM
@@ -139,6 +176,34 @@ def test_multi_token_forwards_share_one_graph(tiny):
             cache.advance([0], t)
             n += t
     assert compiled.graphs == graphs
+
+
+def test_batches_and_caches_of_any_size_share_one_graph_per_shape_kind():
+    """Under a server the batch size changes every few steps and each engine sizes its cache:
+    after one graph each for (B = 1 | B > 1) x (T = 1 | T > 1), no batch of 2..16 rows and no
+    cache of 2..16 rows recompiles (a slice of the cache's rows once specialised every B)."""
+    torch._dynamo.reset()
+    model = tiny_llama(40, 32, 1, seed=4).fuse_()
+    compiled = CompiledForward(model)
+
+    def run(max_batch: int, b: int, t: int) -> None:
+        cache = KVCache.for_model(model.cfg, max_batch, 100 + max_batch)
+        rows = list(range(b))
+        toks = torch.randint(0, 40, (b, t))
+        pos = torch.arange(t)[None].expand(b, t).contiguous()
+        mask = torch.ones(t, t, dtype=torch.bool).tril().expand(b, t, t)
+        kw = dict(attn_mask=mask, rows=rows, kv_len=cache.kv_len(rows, t))
+        torch.testing.assert_close(compiled(toks, pos, cache, **kw).logits, model(toks, pos, cache, **kw).logits,
+                                   rtol=1e-4, atol=1e-4)
+    with torch.inference_mode():
+        for b in (1, 2):
+            for t in (1, 3):
+                run(2, b, t)
+        graphs = compiled.graphs
+        for max_batch, b in ((16, 5), (16, 16), (4, 3), (8, 1), (3, 2)):
+            for t in (1, 4):
+                run(max_batch, b, t)
+    assert compiled.graphs == graphs and compiled.eager_calls == 0
 
 
 def _speculating(layers: int, seed: int):

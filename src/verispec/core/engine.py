@@ -43,6 +43,7 @@ from ..models.kv_cache import KVCache
 from ..models.transformer import Transformer
 from .params import SamplingParams
 from .prefill import PrefillJob, chunked_prefill, run_all
+from .row_padding import ghost_rows, pad_rows, take_rows
 from .prefix_cache import CacheLayout, PrefixCache, PrefixHit, features_to, num_positions
 from .sampling import make_generator, sample
 from .tree import DraftTree
@@ -274,6 +275,7 @@ class Engine:
         if seq.row >= 0 and seq.row not in self.free_rows:
             self.cache.reset(seq.row)
             self.free_rows.append(seq.row)
+            self.free_rows.sort(reverse=True)      # the lowest free row next: the batch stays packed
 
     # ------------------------------------------------------------------ prefix cache
     def _load_prefix(self, seq: Sequence) -> PrefixHit:
@@ -474,8 +476,16 @@ class Engine:
                                device=self.cache.device, vocab=self.model.cfg.vocab_size)
         t = int(batch.tokens.shape[1])
         layers, _ = self._feature_request()
+        kv_len = self.cache.kv_len(rows, t)
+        lengths = self.cache.lengths_of(range(max(rows) + 1))
+        if self._forward is not self.model and ghost_rows(rows, lengths, t, kv_len):
+            # rows with holes: the compiled graph of rows 0..R-1 with ghost rows (``row_padding``)
+            tokens, positions, mask, index = pad_rows(batch.tokens, batch.positions, batch.mask, rows, lengths)
+            out = self._forward(tokens, positions, self.cache, attn_mask=mask, rows=range(len(tokens)),
+                                hidden_layers=layers, kv_len=kv_len)
+            return batch, take_rows(out, index)
         out = self._forward(batch.tokens, batch.positions, self.cache, attn_mask=batch.mask, rows=rows,
-                            hidden_layers=layers, kv_len=self.cache.kv_len(rows, t))
+                            hidden_layers=layers, kv_len=kv_len)
         return batch, out
 
     def _accept(self, seqs: list[Sequence], batch: TreeBatch, out) -> BatchAccept:

@@ -133,19 +133,29 @@ class CompiledForward:
         return cls._shared[model]
 
     def _mark(self, cache) -> None:
-        """Each engine sizes its cache to its prompts: the slot dimension of the K/V tensors is
-        marked dynamic before the first compile, so a new cache does not recompile."""
+        """Each engine sizes its cache to its prompts and batch: the slot and row dimensions of
+        the K/V tensors are marked dynamic before the first compile, so a new cache does not
+        recompile."""
         if cache not in self._caches:
             for t in (*cache.k, *cache.v):
                 torch._dynamo.mark_dynamic(t, 2)
+                if t.shape[0] > 1:        # and its rows: a server's engine reuses a warm-up's graphs
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            if cache.lengths.shape[0] > 1:
+                torch._dynamo.maybe_mark_dynamic(cache.lengths, 0)
             self._caches.add(cache)
 
     @staticmethod
     def _mark_length(tokens, positions, attn_mask) -> None:
-        """A forward over T > 1 tokens (prefill, verification) is compiled for any T at once: the
-        next prompt or tree of another size reuses the graph instead of recompiling it in the
-        middle of a run (one token stays its own, static graph)."""
-        t = int(tokens.shape[1])
+        """A forward over T > 1 tokens (prefill, verification) is compiled for any T at once, and a
+        batch of B > 1 rows for any B: the next prompt, tree or batch of another size reuses the
+        graph instead of recompiling it in the middle of a run or under a server's changing load
+        (one token and one row stay their own, static graphs)."""
+        b, t = int(tokens.shape[0]), int(tokens.shape[1])
+        if b > 1:                    # any batch of two or more rows shares one graph
+            for x in (tokens, positions, attn_mask):
+                if x is not None:
+                    torch._dynamo.maybe_mark_dynamic(x, 0)
         if t <= 1:
             return
         torch._dynamo.maybe_mark_dynamic(tokens, 1)

@@ -139,7 +139,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(self.layer, rows, slots, k, v)
-            k, v = cache.read(self.layer, cache.view_rows(rows) if select is None else select, used)
+            # isinstance, not ``select is None``: dynamo evaluates an identity test on a slice by
+            # specialising its symbolic bounds, which recompiled the graph for every batch size
+            sel = select if isinstance(select, (slice, torch.Tensor)) else cache.view_rows(rows)
+            k, v = cache.read(self.layer, sel, used)
         out = attend(q, k, v, mask, self.scale, self.softcap)
         return self.wo(out.transpose(1, 2).reshape(b, t, self.h * self.d))
 
