@@ -179,13 +179,16 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     # -- generation ------------------------------------------------------------------------
-    def make_engine(self, max_batch: int, max_len: int) -> Engine:
+    def make_engine(self, max_batch: int, max_len: int, **engine_options) -> Engine:
+        """An engine of ``max_batch`` rows of ``max_len`` tokens over this LLM's target, drafter,
+        gate and prefix cache; ``engine_options``: more ``Engine`` keywords (``prefill_chunk``)."""
         drafter = self._make_drafter(max_batch, max_len) if self._make_drafter else None
         slack = (drafter.max_tree_nodes if drafter else 0) + 2
         return Engine(self.target.model, drafter, max_batch=max_batch, max_len=max_len + slack,
                       eos_token_ids=self.eos_token_ids, max_context=self.max_model_len,
                       acceptance=self.acceptance, prefix_cache=self.prefix_cache, device=self.device,
-                      forward=self.compiled, gate=self._make_gate(drafter.max_tree_nodes if drafter else 0))
+                      forward=self.compiled, gate=self._make_gate(drafter.max_tree_nodes if drafter else 0),
+                      **engine_options)
 
     def _make_gate(self, max_nodes: int = 0):
         """A per-engine ``DraftGate`` (the draft-budget estimator) for a drafter of at most

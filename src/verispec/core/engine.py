@@ -96,7 +96,8 @@ class Engine:
     def __init__(self, model: Transformer, drafter: Drafter | None = None, *, max_batch: int,
                  max_len: int, eos_token_ids: tuple[int, ...] = (), max_context: int | None = None,
                  acceptance: AcceptanceRule = LOSSLESS, prefix_cache: PrefixCache | None = None,
-                 device: str | torch.device | None = None, forward=None, gate: DraftGate | None = None):
+                 device: str | torch.device | None = None, forward=None, gate: DraftGate | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
         """``max_len``: cache slots per row (prompt + output + tree slack). ``max_context``: the
         model's usable context; generation stops with reason "length" when it is reached.
         ``acceptance``: the rule that decides which draft tokens are kept (lossless default).
@@ -105,6 +106,8 @@ class Engine:
         model's parameters' device (the default; naming another one is a ValueError).
         ``forward``: what runs the decode/verify forward (default the model itself; e.g. a
         ``models.compiled.CompiledForward`` of it): called as the model, with a ``kv_len``.
+        ``prefill_chunk``: the grid prompts are prefilled on (``prefill``; the same grid gives
+        the same numbers, so engines that must agree token for token share it).
         ``gate``: how many draft nodes each sequence gets each step (``draft_gate.DraftGate``:
         adaptive drafting; default: the drafter's whole tree)."""
         if not isinstance(acceptance, AcceptanceRule):
@@ -123,6 +126,9 @@ class Engine:
         self.eos = set(eos_token_ids)
         self.max_context = min(max_context or max_len, max_len - 1 - self.max_tree_nodes)
         self.free_rows = list(range(max_batch))[::-1]
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1 token, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.running: list[Sequence] = []
         self.prefilling: list[PrefillJob] = []     # admitted by ``begin``, prompt not done yet
         self.stats = SpecStats(acceptance=acceptance.name, lossy=acceptance.lossy)
@@ -321,7 +327,7 @@ class Engine:
         """Prefill each prompt from its ``starts`` offset (its cache length): one right-padded
         forward when the rests are short and fit, else one chunked prefill per sequence."""
         rest = [len(s.prompt_ids) - m for s, m in zip(seqs, starts)]
-        if len(seqs) > 1 and max(rest) <= PREFILL_CHUNK and max(starts) + max(rest) <= self.cache.max_len and \
+        if len(seqs) > 1 and max(rest) <= self.prefill_chunk and max(starts) + max(rest) <= self.cache.max_len and \
                 all(s.params.prompt_logprobs is None for s in seqs):
             return self._prefill_batch(seqs, starts)
         return [self._prefill(s.row, s.prompt_ids, s, m) for s, m in zip(seqs, starts)]
@@ -350,9 +356,9 @@ class Engine:
     def _prefill(self, row: int, ids: list[int], seq: Sequence | None = None, start: int = 0
                  ) -> tuple[torch.Tensor, TargetFeatures | None]:
         """Prefill of one row from position ``start`` (the row's cache length: tokens before it
-        came from the prefix cache), in chunks of ``PREFILL_CHUNK``; features of positions
+        came from the prefix cache), in chunks of the grid ``prefill_chunk``; features of positions
         ``start..``. Fills ``seq.prompt_logprobs`` when its params ask (only from ``start`` 0)."""
-        return run_all(self._prefill_gen(row, ids, seq, start), PREFILL_CHUNK)
+        return run_all(self._prefill_gen(row, ids, seq, start))
 
     def _prefill_gen(self, row: int, ids: list[int], seq: Sequence | None, start: int):
         """The chunk generator of one row's prefill (``prefill.chunked_prefill``), with the
@@ -362,7 +368,7 @@ class Engine:
         if k is not None:
             seq.prompt_logprobs = []
         return chunked_prefill(self.model, self.cache, row, ids, start, layers, want_last, k,
-                               seq.prompt_logprobs if k is not None else None)
+                               seq.prompt_logprobs if k is not None else None, grid=self.prefill_chunk)
 
     def _feature_request(self) -> tuple[tuple[int, ...], bool]:
         if self._drafter is None:

@@ -7,9 +7,14 @@ decides when each chunk runs and how long it is: the engine runs every chunk at 
 (``Engine.begin`` / ``Engine.prefill_step``), so a long prompt never stalls the running streams
 for its whole forward (vLLM's chunked prefill, llama.cpp's ``-b``/``-ub`` batches).
 
-Lossless: chunking changes which forward computes a prompt position, not what it computes (the
-same causal attention over the same slots), so the first token and every later one are those of
-an unchunked prefill, up to floating-point summation order.
+Chunks lie on a fixed grid: positions ``[k * grid, (k + 1) * grid)`` of the prompt, whatever
+budget a caller sends, so a prompt's chunks, and with them its numbers, depend on the prompt and
+the grid alone, never on the load. (A chunk of many rows runs torch's SDPA, whose blocking
+depends on the chunk's length and attended slots, and a prompt's K/V feed every later token: a
+402-token prompt chunked 256 + 146 instead of whole changed SmolLM2's first token on a near-tie.)
+A budget smaller than the next chunk still runs that whole chunk. So every engine with the same
+grid (``Engine.prefill_chunk``; ``LLM.generate`` and the server's default are both 512) prefills
+a prompt identically, and greedy outputs match across batch compositions and servers.
 """
 from __future__ import annotations
 
@@ -27,11 +32,12 @@ Prefill = Generator[int, int, "tuple[torch.Tensor, TargetFeatures | None]"]
 
 def chunked_prefill(model, cache, row: int, ids: list[int], start: int, layers: tuple[int, ...],
                     want_last: bool, prompt_logprobs: int | None = None,
-                    sink: list | None = None) -> Prefill:
+                    sink: list | None = None, grid: int = 512) -> Prefill:
     """Prefill cache row ``row`` with ``ids[start:]`` (slots before ``start`` are already there).
 
-    Protocol: prime with ``next(gen)`` (yields 0), then each ``gen.send(n)`` runs the next chunk of
-    at most ``n >= 1`` tokens and yields how many it ran; after the last chunk the generator
+    Protocol: prime with ``next(gen)`` (yields 0), then each ``gen.send(n)`` (a budget, ``n >= 1``)
+    runs the next chunk of the ``grid`` (up to the next multiple of ``grid`` positions, however
+    small ``n``: see the module docstring) and yields how many it ran; after the last chunk the generator
     returns ``(logits of the last position, features of positions start..)`` through
     ``StopIteration.value``. ``prompt_logprobs``: k, to append the entries of prompt tokens 1..n-1
     to ``sink`` (logits at every position; only from ``start`` 0)."""
@@ -39,6 +45,8 @@ def chunked_prefill(model, cache, row: int, ids: list[int], start: int, layers: 
         raise ValueError("prompt_logprobs need the whole prompt prefilled (start 0)")
     if start >= len(ids):
         raise ValueError(f"nothing to prefill: start {start} of a {len(ids)}-token prompt")
+    if grid < 1:
+        raise ValueError(f"the prefill grid needs at least 1 token a chunk, got {grid}")
     dev = cache.device
     rows = torch.tensor([row], device=dev)
     hid_parts: dict[int, list] = {i: [] for i in layers}
@@ -47,7 +55,7 @@ def chunked_prefill(model, cache, row: int, ids: list[int], start: int, layers: 
     while True:
         if n < 1:
             raise ValueError(f"a prefill chunk needs at least 1 token, got {n}")
-        chunk = torch.tensor([ids[s:s + n]], device=dev)
+        chunk = torch.tensor([ids[s:(s // grid + 1) * grid]], device=dev)
         width = int(chunk.shape[1])
         is_last = s + width >= len(ids)
         out = model(chunk, torch.arange(s, s + width, device=dev)[None], cache, rows=rows,
@@ -74,12 +82,12 @@ def chunked_prefill(model, cache, row: int, ids: list[int], start: int, layers: 
     return logits, feats
 
 
-def run_all(gen: Prefill, chunk: int) -> tuple[torch.Tensor, TargetFeatures | None]:
-    """Drive ``gen`` to its end in chunks of ``chunk`` tokens."""
+def run_all(gen: Prefill) -> tuple[torch.Tensor, TargetFeatures | None]:
+    """Drive ``gen`` to its end, chunk by chunk."""
     next(gen)
     try:
         while True:
-            gen.send(chunk)
+            gen.send(1)
     except StopIteration as done:
         return done.value
 
@@ -94,7 +102,8 @@ class PrefillJob:
     result: tuple | None = field(default=None)   # (logits, features) once the prompt is done
 
     def run(self, max_tokens: int) -> int:
-        """Run one chunk of at most ``max_tokens`` tokens; returns the tokens run."""
+        """Run the next chunk (``max_tokens`` is the caller's budget; a grid chunk may pass it);
+        returns the tokens run."""
         try:
             done = self.gen.send(max_tokens)
         except StopIteration as end:

@@ -175,6 +175,10 @@ class CompiledForward:
             self.eager_calls += 1
             return self.model(tokens, positions, cache, attn_mask=attn_mask, rows=rows,
                               hidden_layers=hidden_layers, kv_len=kv_len, logits_index=logits_index)
+        # no views: dynamo guards a view input on its base, so the same shapes passed once as a
+        # view (a tree batch's expanded mask) and once not (a padded batch's) compiled twice
+        tokens, positions, attn_mask = (x.clone() if x is not None and x._base is not None else x
+                                        for x in (tokens, positions, attn_mask))
         self._mark(cache)
         self._mark_length(tokens, positions, attn_mask)
         before, t0 = _graphs(), time.perf_counter()

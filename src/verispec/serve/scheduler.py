@@ -27,7 +27,9 @@ counters go to the metrics after each admit/step round.
 Chunked prefill (``prefill_chunk``, on by default): admission only takes a row (``Engine.begin``);
 each round then runs one decoding step for the running sequences and at most ``prefill_chunk``
 prompt tokens of the admitted ones (``Engine.prefill_step``), so a long prompt delays running
-streams by a chunk at a time. A sequence whose prompt is done joins the next step.
+streams by a chunk at a time. A sequence whose prompt is done joins the next step. The chunks lie
+on the engine's grid of ``prefill_chunk`` positions (``core.prefill``), so a prompt's numbers and
+outputs never depend on the load.
 Each running request's draft budget is the engine's draft-budget estimator's (``Engine.gate``:
 its own acceptance against this batch size's step costs); the optional ``policy`` (a user's
 ``num_speculative_tokens_per_batch_size`` table, see ``policy``) caps it per step
@@ -160,7 +162,8 @@ class Scheduler:
             self.warmed.set()
 
     def _new_engine(self) -> Engine:
-        engine = self.llm.make_engine(self.max_num_seqs, self.max_model_len)
+        grid = {} if self.prefill_chunk is None else {"prefill_chunk": self.prefill_chunk}   # whatever the load
+        engine = self.llm.make_engine(self.max_num_seqs, self.max_model_len, **grid)
         if self.policy is not None:
             self.policy.bind(engine.max_tree_nodes)
         self.metrics.reset_spec_baseline()
@@ -239,17 +242,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduler thread
     def warm_up(self) -> float:
-        """Decode 8 tokens of a short prompt alone, then two at once, through the model's own
-        ``LLM.generate`` (the same forwards the engine uses, compiled graphs shared per model).
-        Returns the seconds it took. Lossless and unobservable: nothing reaches a request, and
-        the prefix cache is left out (its blocks and counters are the requests' alone)."""
+        """Decode 8 tokens of a short prompt alone, then two at once, on a short engine of the
+        server's ``max_num_seqs`` rows (the same forwards, drafter and gate the server's engine
+        runs; compiled graphs are shared per model and specialise on a one-row cache only, so a
+        cache of as many rows makes them the server's). Returns the seconds it took. Lossless
+        and unobservable: nothing reaches a request, and the prefix cache is left out (its
+        blocks and counters are the requests' alone)."""
         t0 = time.perf_counter()
         ids = self.llm.tokenizer("Hello, how are you?", add_special_tokens=False).input_ids or [0]
         params = SamplingParams(temperature=0.0, max_tokens=8)
         cache, self.llm.prefix_cache = self.llm.prefix_cache, None
         try:
-            for batch in (1, 2):
-                self.llm.generate([{"prompt_token_ids": ids}] * batch, params)
+            engine = self.llm.make_engine(self.max_num_seqs, len(ids) + 16)
+            for batch in sorted({1, min(2, self.max_num_seqs)}):
+                engine.run([Sequence(prompt_ids=list(ids), params=params) for _ in range(batch)])
         finally:
             self.llm.prefix_cache = cache
         return time.perf_counter() - t0
