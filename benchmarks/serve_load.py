@@ -144,6 +144,15 @@ class LlamaServer(Server):
 
 # ---------------------------------------------------------------------------- load generation
 async def one_request(client: httpx.AsyncClient, question: str, max_tokens: int) -> dict:
+    """One streamed chat completion; a keep-alive connection the server closed before answering
+    (llama-server does) is retried once on a fresh one, as HTTP clients do (``retried``)."""
+    try:
+        return await _one_request(client, question, max_tokens)
+    except httpx.RemoteProtocolError:
+        return {**await _one_request(client, question, max_tokens), "retried": True}
+
+
+async def _one_request(client: httpx.AsyncClient, question: str, max_tokens: int) -> dict:
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -210,6 +219,7 @@ def summarize(results: list[dict], wall: float) -> dict:
     itl = [g for r in ok for g in r.get("gaps", ())]
     tokens = sum(r["tokens"] for r in ok)
     return {"requests": len(ok), "errors": len(results) - len(ok), "output_tokens": tokens,
+            "retried": sum(bool(r.get("retried")) for r in results),
             "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 3) if wall > 0 else 0.0,
             "ttft_s": {f"p{p}": _pct(ttft, p) for p in (50, 95, 99)},
             "e2e_s": {f"p{p}": _pct(e2e, p) for p in (50, 95, 99)},
@@ -275,8 +285,10 @@ def engine_reference(questions: list[dict], args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.num_threads)
     llm = LLM(model=args.model, weights=args.weights, compile=args.compile)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    chat = [{"prompt": llm.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
-                                                         tokenize=False, add_generation_prompt=True)}
+    tok = llm.tokenizer
+    chat = [{"prompt_token_ids": tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
+                                                             tokenize=False, add_generation_prompt=True),
+                                     add_special_tokens=False).input_ids}
             for q in questions[:max(args.requests_per_level, 1) + 1]]
     llm.generate(chat[:1], params)
     tokens, t0 = 0, time.perf_counter()
@@ -351,7 +363,7 @@ def markdown(report: dict) -> str:
              f"`speculative+policy`: the draft-budget estimator, policy `{s['policy']}`). "
              f"Peer speculation: `{s.get('peer_spec')}`.", "", *_summary_rows(report), ""]
     ref = report.get("engine_reference")
-    if ref:
+    if ref and "tokens_per_s" in ref:
         one = _median([r["baseline"]["levels"]["1"]["tokens_per_s"] for r in rounds
                        if "baseline" in r and "1" in r["baseline"]["levels"]])
         lines += [f"Engine in-process (`LLM.generate`, one request at a time, same path): "
@@ -438,7 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     report["rounds"] = [run_configs({name: configs[name] for name in wanted}, questions, args,
                                     tag=f"round {r + 1}: ") for r in range(args.rounds)]
     if args.engine_reference:
-        report["engine_reference"] = engine_reference(questions, args)
+        try:
+            report["engine_reference"] = engine_reference(questions, args)
+        except Exception as e:        # noqa: BLE001 - keep the rounds measured so far
+            report["engine_reference"] = {"error": repr(e)}
     report["total_s"] = round(time.perf_counter() - t0, 1)
     compare(report)
     print(OUTPUT.write(report, args.out).read_text())

@@ -287,7 +287,7 @@ def parse_args(argv=None) -> argparse.Namespace | None:
     p.add_argument("--burst", type=int, default=48)
     p.add_argument("--kill-after", type=float, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weights", default="fp16")
+    p.add_argument("--weights", default="auto", help="server --weights (default: auto, the server's own default)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="the server's compiled forwards (its default)")
     p.add_argument("--max-num-seqs", type=int, default=8)

@@ -23,6 +23,7 @@ model shares (``interpolate``: a monotone piecewise-linear fit of measured point
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections import deque
@@ -51,6 +52,9 @@ class BatchCosts:
         self.window, self.min_timed, self.probe_every = window, min_timed, probe_every
         self._times: dict[tuple[int, int], deque] = {}     # (bucket, width) -> latest step seconds
         self._steps: dict[int, int] = {}                  # bucket -> steps since its last plain one
+        # asked for every request of every step: memoised (the measured ones until the next observe)
+        self._modelled: dict[tuple[int, int], float] = {}
+        self._measured: dict[tuple[int, int], float | None] = {}
 
     def verify_ms(self, tokens: int) -> float:
         return interpolate(self._verify, max(1, tokens))
@@ -60,17 +64,21 @@ class BatchCosts:
         if nodes == 0:
             return 1.0
         b = max(1, batch_size)
-        plain = self.verify_ms(b)
-        draft = self.draft_ms.get(nodes, 0.0) * plain / self.verify_ms(1)
-        return (draft + self.verify_ms(b * (1 + nodes))) / plain
+        key = (b, nodes)
+        if key not in self._modelled:
+            plain = self.verify_ms(b)
+            draft = self.draft_ms.get(nodes, 0.0) * plain / self.verify_ms(1)
+            self._modelled[key] = (draft + self.verify_ms(b * (1 + nodes))) / plain
+        return self._modelled[key]
 
     def measured(self, batch_size: int, nodes: int) -> float | None:
         """``T_m(B) / T_0(B)`` from timed steps of B's bucket; None until both were timed enough."""
-        b = bucket(batch_size)
-        plain, drafted = self._times.get((b, 0), ()), self._times.get((b, nodes), ())
-        if len(plain) < self.min_timed or len(drafted) < self.min_timed:
-            return None
-        return statistics.median(drafted) / statistics.median(plain)
+        key = (bucket(batch_size), nodes)
+        if key not in self._measured:
+            plain, drafted = self._times.get((key[0], 0), ()), self._times.get(key, ())
+            self._measured[key] = None if len(plain) < self.min_timed or len(drafted) < self.min_timed \
+                else statistics.median(drafted) / statistics.median(plain)
+        return self._measured[key]
 
     def ratio(self, batch_size: int, nodes: int, timed: bool = True) -> float:
         """The measured ratio where there is one (and ``timed``), else the modelled one."""
@@ -82,6 +90,7 @@ class BatchCosts:
         if batch_size < 1 or not seconds > 0:
             return
         b = bucket(batch_size)
+        self._measured.clear()
         self._times.setdefault((b, width), deque(maxlen=self.window)).append(seconds)
         self._steps[b] = 0 if width == 0 else self._steps.get(b, 0) + 1
 
@@ -98,7 +107,8 @@ class BatchCosts:
                 for b in sorted({b for b, _ in self._times})}
 
 
-def _monotone(points: tuple[tuple[int, float], ...]) -> list[tuple[int, float]]:
+@functools.lru_cache(maxsize=256)
+def _monotone(points: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
     """The points made non-decreasing by pooling adjacent violators (isotonic regression): a
     noisy spike or dip is averaged with its neighbours, not taken as a real cost step."""
     blocks: list[list[float]] = []                      # [sum, count] per pooled block
@@ -111,13 +121,13 @@ def _monotone(points: tuple[tuple[int, float], ...]) -> list[tuple[int, float]]:
             blocks[-1][0] += s
             blocks[-1][1] += n
     ys = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
-    return list(zip(xs, ys))
+    return tuple(zip(xs, ys))
 
 
 def interpolate(points: tuple[tuple[int, float], ...], x: int) -> float:
     """Piecewise-linear through the monotone fit of the measured points, extended past the last
     point with the last segment's slope."""
-    pts = _monotone(points)
+    pts = _monotone(tuple(map(tuple, points)))
     if len(pts) == 1 or x <= pts[0][0]:
         return pts[0][1]
     for (x0, y0), (x1, y1) in zip(pts, pts[1:]):

@@ -287,10 +287,20 @@ class DraftGate:
         step's batch size, or all 0 when ``costs`` wants a plain step of this batch size timed
         (only in steps whose requests are all timed). Call once per step."""
         n = len(requests)
-        if n > 1 and self.costs is not None and all(t for _, t in requests) and self.costs.probe_due(n):
-            self.stats.probes += 1
-            return [self._plain(self._state(i)) for i, _ in requests]
+        if n > 1 and self.costs is not None and all(t for _, t in requests):
+            if self.costs.probe_due(n):
+                self.stats.probes += 1
+                return [self._plain(self._state(i)) for i, _ in requests]
+            if not self._may_pay(n):                  # no acceptance pays at this batch size: all
+                return [self._plain(self._state(i)) for i, _ in requests]   # plain, states kept
         return [self.budget(i, n, t) for i, t in requests]
+
+    def _may_pay(self, batch_size: int) -> bool:
+        """Whether some budget could pay at ``batch_size`` if every draft token were accepted
+        (a chain's depth, a tree's nodes, over its cost ratio): when none could, a step's
+        requests need no per-request estimate (32 of them cost ~5 ms a step in Python)."""
+        return any(1.0 + (len(o.hit_by_depth) or o.nodes) > self.cost_ratio(o.nodes, None, batch_size)
+                   for o in self.options)
 
     def _state(self, seq_id: int) -> _SeqState:
         st = self._seqs.get(seq_id)
