@@ -974,3 +974,23 @@ def test_graceful_drain_on_sigterm(plain):
     assert plain.proc.wait(40) == 0
     log = plain.output()
     assert "Traceback" not in log
+
+
+def test_the_server_reexecutes_itself_with_passive_openmp_workers(monkeypatch):
+    """Spinning OpenMP workers starve the server's Python threads (one stream: 80 tokens/s with
+    libgomp's default, 137 with PASSIVE): ``verispec serve`` re-executes itself once with
+    ``OMP_WAIT_POLICY=PASSIVE`` unless the user set the variable."""
+    import sys
+
+    import verispec.cli.serve as cli_serve
+    calls = []
+    monkeypatch.setattr(cli_serve.os, "execve", lambda exe, argv, env: calls.append((exe, argv, env)))
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-m", "verispec.serve", "--port", "9"])
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    cli_serve.passive_openmp()
+    assert calls == []                                   # the user's choice stands
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    cli_serve.passive_openmp()
+    assert len(calls) == 1
+    exe, argv, env = calls[0]
+    assert argv == [sys.executable, "-m", "verispec.serve", "--port", "9"] and env["OMP_WAIT_POLICY"] == "PASSIVE"

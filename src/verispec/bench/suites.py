@@ -190,11 +190,16 @@ SUITES: tuple[Suite, ...] = (
            "our int4 kernel with bf16 against int8 (W4A8) activations, decode to prefill sizes",
            "Qwen-1.5B shapes, T=1..177, 2 threads", group="weights"),
     # --- serving
-    script("serve-load", "serve_load.py", "--weights fp16 --out benchmarks/results/serve_load_fp16",
-           "serve_load_fp16.md", "`verispec serve` throughput and latency with and without speculation, 1-32 users",
-           "SmolLM2 fp16, Spec-Bench chat turns, 64 tokens, closed loop", group="serve"),
-    script("soak", "soak.py", "--duration 600 --users 32 --out benchmarks/results/soak", "soak.md",
-           "a 10-minute soak with faults: 5xx, latency, memory", "32 users, SmolLM2 fp16, speculation on", group="serve"),
+    script("serve-load", "serve_load.py",
+           "--levels 1,8,32 --max-tokens 128 --rounds 3 --requests-per-level 16 --level-budget-s 30 "
+           "--configs baseline,speculative+policy,llama-server,llama-server+spec "
+           "--speculative-config '{\"method\": \"suffix\"}'", "serve_load.md",
+           "`verispec serve` beside llama-server: throughput, TTFT, ITL and RSS, with and without speculation",
+           "SmolLM2 (auto weights, compiled), Spec-Bench chat turns, 128 tokens, closed loop, 1/8/32 users, "
+           "3 rounds of fresh servers", needs=("llama-server",), group="serve"),
+    script("soak", "soak.py", "--duration 600 --users 32 --max-num-seqs 16 --out benchmarks/results/soak", "soak.md",
+           "a 10-minute soak with faults: 5xx, latency, memory",
+           "32 users, SmolLM2 (auto weights, compiled), speculation on", group="serve"),
     script("prefix-cache", "prefix_cache.py", "--turns 4 --max-tokens 48 --threads 2", "prefix_cache.md",
            "TTFT with and without the prefix cache on a multi-turn chat", "~700-token system prompt, 4 turns",
            group="serve"),
