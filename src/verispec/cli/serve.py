@@ -138,15 +138,19 @@ def split_spec_config(text: str | None, policy_flag: str | None) -> tuple[dict |
 
 
 def passive_openmp() -> None:
-    """Re-execute this command once with ``OMP_WAIT_POLICY=PASSIVE`` unless the variable is set.
+    """Re-execute this command once with ``OMP_WAIT_POLICY=PASSIVE`` unless it or
+    ``GOMP_SPINCOUNT`` is set (the user's choice stands).
 
     A server runs Python threads beside the forward's OpenMP workers (the event loop, the
     scheduler's bookkeeping, the clients' connections). Workers that spin between parallel
     regions, libgomp's default, keep those threads off the cores: one SmolLM2 stream ran at 80
     tokens/s with the default policy, 63 with ACTIVE and 137 with PASSIVE, on 2 cores, against
     the engine's 185 in-process. libgomp reads the variable once, when torch loads, which is
-    before the arguments are parsed; hence the re-execution (a second or two at start-up)."""
-    if os.environ.get("OMP_WAIT_POLICY") or not getattr(sys, "orig_argv", None):
+    before the arguments are parsed; hence the re-execution (a second or two at start-up).
+    The price: 32 closed-loop streams ran at about 325 tokens/s in all instead of about 420
+    (still above llama-server's 226-244 under the same load; ``benchmarks/results/serve_load.md``).
+    A short spin (``GOMP_SPINCOUNT=10000``) kept one stream at 75 tokens/s."""
+    if os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT") or not getattr(sys, "orig_argv", None):
         return
     sys.stdout.flush()
     sys.stderr.flush()
