@@ -238,3 +238,18 @@ def test_pinned_step_costs_replace_measurement(tmp_path, monkeypatch):
     monkeypatch.setenv(PINNED_ENV, str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="missing.json"):
         pinned_costs()
+
+
+def test_a_batch_where_no_budget_could_pay_is_all_plain_and_keeps_each_request_state():
+    """At batch 32 on ``FLAT8`` no budget pays even at full acceptance: ``plan`` makes the whole
+    step plain without a per-request estimate, and each request's mode is untouched, so the
+    requests draft again as soon as the batch shrinks."""
+    g = gate()
+    ids = list(range(32))
+    assert not g._may_pay(32) and g._may_pay(2)
+    assert g.plan([(i, True) for i in ids]) == [0] * 32
+    modes = {i: g.mode(i) for i in ids}
+    assert modes[0] is Mode.DRAFT
+    assert all(b == 0 for _ in range(20) for b in g.plan([(i, True) for i in ids]))
+    assert {i: g.mode(i) for i in ids} == modes                 # no request was sent to wait
+    assert all(b > 0 for b in g.plan([(0, True), (1, True)]))
