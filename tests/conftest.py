@@ -2,19 +2,18 @@
 by ``VERISPEC_TEST_DEVICE`` (default "cpu"; e.g. "cuda" to run the suite on a GPU; CI stays CPU)."""
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # no busy-waiting threads on shared cores
 if "VERISPEC_COST_CACHE" not in os.environ:           # measured draft costs: per test process, not ~/.cache
-    import tempfile
     os.environ["VERISPEC_COST_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="verispec-costs-"), "costs.json")
 if "VERISPEC_STEP_COSTS" not in os.environ:
     # Pinned step costs (``draft_shape.pinned_costs``): every draft shape and drafting decision is
     # the same on any machine, AVX2 or AVX-512, cold cache or warm. The curve is CPU-like: a
     # verify over a few tokens costs about one forward, then grows linearly. Tests of the
     # measurement itself unset the variable (``measured_costs``).
-    import json
-    import tempfile
     _pinned = os.path.join(tempfile.mkdtemp(prefix="verispec-pinned-"), "step_costs.json")
     with open(_pinned, "w") as f:
         json.dump({"verify": [[1, 20.0], [2, 20.5], [3, 21.0], [4, 21.5], [6, 23.0], [8, 25.0], [12, 30.0],

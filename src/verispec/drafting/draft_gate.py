@@ -297,8 +297,9 @@ class DraftGate:
 
     def _may_pay(self, batch_size: int) -> bool:
         """Whether some budget could pay at ``batch_size`` if every draft token were accepted
-        (a chain's depth, a tree's nodes, over its cost ratio): when none could, a step's
-        requests need no per-request estimate (32 of them cost ~5 ms a step in Python)."""
+        (1 + the option's depth where it carries its per-depth profile, else 1 + its nodes, over
+        its cost ratio): when none could, a step's requests need no per-request estimate (32 of
+        them cost ~5 ms a step in Python)."""
         return any(1.0 + (len(o.hit_by_depth) or o.nodes) > self.cost_ratio(o.nodes, None, batch_size)
                    for o in self.options)
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from ..core.detokenizer import IncrementalDetokenizer
-from ..core.engine import Engine, Sequence
+from ..core.engine import PREFILL_CHUNK, Engine, Sequence
 from ..llm import LLM
 from ..models.packed import DENSE_MIN_ROWS
 from ..core.logprobs import TokenLogprob
@@ -58,7 +58,7 @@ from .metrics import ServerMetrics
 from .policy import SpecPolicy
 
 log = logging.getLogger("verispec.serve")
-DEFAULT_PREFILL_CHUNK = 512     # prompt tokens per round while others decode (vLLM's chunked prefill)
+DEFAULT_PREFILL_CHUNK = PREFILL_CHUNK   # per round while others decode; the grid LLM.generate prefills on
 MIN_PREFILL_CHUNK = DENSE_MIN_ROWS   # smaller chunks would leave the packed kernels' prefill path
 _IDLE_PREFILL = 2048            # prompt tokens per round when nothing decodes
 _req_ids = itertools.count()
@@ -162,8 +162,8 @@ class Scheduler:
             self.warmed.set()
 
     def _new_engine(self) -> Engine:
-        grid = {} if self.prefill_chunk is None else {"prefill_chunk": self.prefill_chunk}   # whatever the load
-        engine = self.llm.make_engine(self.max_num_seqs, self.max_model_len, **grid)
+        engine = self.llm.make_engine(self.max_num_seqs, self.max_model_len,
+                                      prefill_chunk=self.prefill_chunk or PREFILL_CHUNK)
         if self.policy is not None:
             self.policy.bind(engine.max_tree_nodes)
         self.metrics.reset_spec_baseline()
