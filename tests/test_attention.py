@@ -118,6 +118,42 @@ def test_the_avx2_path_agrees_too():
     assert run.returncode == 0, run.stderr[-3000:]
 
 
+def _paged(k, v, block=8, seed=5):
+    """k, v [B, KVH, S, D] scattered into pools [P, KVH, D] through a shuffled block table."""
+    b, kvh, s, d = k.shape
+    per = -(-s // block)
+    order = torch.randperm(b * per, generator=torch.Generator().manual_seed(seed)) + 1      # block 0: null
+    table = order.reshape(b, per)
+    pool_k, pool_v = (torch.full(((b * per + 1) * block, kvh, d), float("nan")) for _ in range(2))
+    phys = (table[:, :, None] * block + torch.arange(block)).flatten(1)[:, :s]             # [B, S]
+    pool_k[phys], pool_v[phys] = k.transpose(1, 2), v.transpose(1, 2)
+    return pool_k, pool_v, table, block.bit_length() - 1
+
+
+PAGED_CHECK = """
+q, k, v, mask = _inputs()
+pk, pv, table, shift = _paged(k, v)
+want = _op(q, k, v, mask)
+got = torch.ops.verispec_attn.paged_attention(q, pk, pv, table, mask, q.shape[-1] ** -0.5, shift, 1 << 16)
+assert torch.equal(got, want)
+"""
+
+
+def test_the_paged_op_equals_the_op_bit_for_bit_on_both_paths():
+    """The same keys through a shuffled block table, the unused pool slots NaN (never read): the
+    same bits as over contiguous K/V, on the AVX-512 (where present) and the AVX2 path."""
+    exec(PAGED_CHECK, {"_inputs": _inputs, "_paged": _paged, "_op": _op, "torch": torch})
+    with pytest.raises(RuntimeError, match="table"):
+        q, k, v, mask = _inputs()
+        pk, pv, table, shift = _paged(k, v)
+        torch.ops.verispec_attn.paged_attention(q, pk, pv, table[:, :1], mask, 0.1, shift, 1)
+    code = ("import sys, torch\nsys.path.insert(0, 'tests')\nfrom test_attention import _inputs, _paged, _op\n"
+            "from verispec.models import attention\nassert attention.kernel().isa() == 'avx2'\n" + PAGED_CHECK)
+    env = dict(os.environ, VERISPEC_ATTN_ISA="avx2")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("weights", ["fp16", "int4", "int8"])
 def test_verify_logits_equal_the_decodes_bit_for_bit(weights, head_prompts, single_thread):
     """Every op of a packed model's small-T forward is row-invariant, so the logits of 8 tokens

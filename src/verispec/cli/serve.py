@@ -14,7 +14,12 @@ import os
 import sys
 
 from ..models.device import add_device_argument, add_weights_argument
+from ..core.kv_budget import pool_blocks
+from ..models.paged_kv import BLOCK_SIZE
 from ..serve.scheduler import DEFAULT_PREFILL_CHUNK, MIN_PREFILL_CHUNK
+
+DEFAULT_PREFIX_MB = 256.0     # the prefix cache is on by default
+KV_SLACK = 64                 # slots a pool holds past max-model-len: a verify step's draft tree
 
 POLICY_KEY = "num_speculative_tokens_per_batch_size"
 
@@ -73,8 +78,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_positive_int, default=8,
                    help="sequences decoded together in one batch (default: 8)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="context per sequence, prompt plus output (default: the model's); the KV cache "
-                        "holds max-num-seqs x max-model-len tokens")
+                   help="context per sequence, prompt plus output (default: the model's)")
+    p.add_argument("--kv-cache-mb", type=_positive_float, default=None, metavar="MIB",
+                   help="K/V memory of the paged KV cache, all sequences and the prefix cache together; a "
+                        "request waits until its prompt plus max_tokens fit (default: room for max-num-seqs x "
+                        "max-model-len tokens, host memory committed only as blocks are used)")
+    p.add_argument("--paged-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="KV cache in blocks of 16 tokens shared through block tables (default: on); "
+                        "--no-paged-kv: one static row of max-model-len tokens per sequence")
     p.add_argument("--max-prompt-tokens", type=_positive_int, default=8192,
                    help="longest prompt accepted (default: 8192)")
     p.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
@@ -86,10 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="abort requests running longer than this (408); default: no limit")
     p.add_argument("--response-cache", type=_non_negative_int, default=0, metavar="N",
                    help="answer repeated temperature-0 requests from an LRU of N entries (default: 0, off)")
-    p.add_argument("--prefix-cache-mb", type=_non_negative_float, default=0.0, metavar="MIB",
-                   help="keep the K/V of prompt and output token blocks in an LRU of this many MiB and reuse "
-                        "them for later prompts that start with the same tokens (system prompts, chat "
-                        "history): only the rest is prefilled; counted in /metrics (default: 0, off)")
+    p.add_argument("--prefix-cache-mb", type=_non_negative_float, default=None, metavar="MIB",
+                   help="reuse the K/V of prompt and output token blocks for later prompts that start with "
+                        "the same tokens (system prompts, chat history): only the rest is prefilled; counted "
+                        "in /metrics. With the paged KV cache (default) the blocks are shared in the pool "
+                        "and freed when it runs short, and this bounds the drafter features stored beside "
+                        "them; with --no-paged-kv it bounds copied K/V and features. 0: off (default: "
+                        f"{DEFAULT_PREFIX_MB:g})")
     p.add_argument("--prefix-cache-block-size", type=_positive_int, default=16, metavar="TOKENS",
                    help="tokens per prefix-cache block; only whole blocks are reused (default: 16)")
     p.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16")
@@ -187,20 +201,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"verispec serve: {e}", file=sys.stderr)
         return 2
+    prefix_mb = DEFAULT_PREFIX_MB if args.prefix_cache_mb is None else args.prefix_cache_mb
     try:
         llm = LLM(args.model, dtype=args.dtype, weights=args.weights, speculative_config=spec, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, num_threads=args.num_threads,
-                  prefix_cache_mb=args.prefix_cache_mb, prefix_cache_block_size=args.prefix_cache_block_size,
+                  prefix_cache_mb=prefix_mb, prefix_cache_block_size=args.prefix_cache_block_size,
                   device=args.device, compile=args.compile)
     except Exception as e:          # noqa: BLE001 - any loading failure ends the command
         print(f"verispec serve: cannot load {args.model!r}: {e}", file=sys.stderr)
         return 1
+    try:
+        kv_blocks = _kv_blocks(args, llm)
+    except ValueError as e:
+        print(f"verispec serve: {e}", file=sys.stderr)
+        return 2
     cfg = ServeConfig(model_name=args.model, max_num_seqs=args.max_num_seqs, max_model_len=llm.max_model_len,
                       max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
                       max_queue=args.max_queue, request_timeout=args.request_timeout,
                       response_cache=args.response_cache, policy=policy, shutdown_grace_s=args.shutdown_grace,
                       prompt_denylist=denylist, audit_log=args.audit_log, audit_log_prompts=args.audit_log_prompts,
-                      warmup=True, prefill_chunk=args.prefill_chunk or None)
+                      warmup=True, prefill_chunk=args.prefill_chunk or None, kv_blocks=kv_blocks)
     from ..serve.drain import DrainingServer
     app = create_app(llm, cfg)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -208,11 +228,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            access_log=args.log_level == "debug"), app.state.server, args.shutdown_grace)
     logging.getLogger("verispec.serve").info(
         "serving %s on http://%s:%d (device=%s, weights=%s, compile=%s, max_num_seqs=%d, max_model_len=%d, "
-        "speculation=%s, policy=%s, prefix_cache_mb=%g); /ready after the warm-up", args.model, args.host, args.port,
-        llm.device, llm.target.weights.value, args.compile, args.max_num_seqs, llm.max_model_len,
-        llm.spec.as_dict() if llm.spec else None, type(policy).__name__ if policy else "estimator", args.prefix_cache_mb)
+        "speculation=%s, policy=%s, prefix_cache_mb=%g, kv=%s); /ready after the warm-up", args.model, args.host,
+        args.port, llm.device, llm.target.weights.value, args.compile, args.max_num_seqs, llm.max_model_len,
+        llm.spec.as_dict() if llm.spec else None, type(policy).__name__ if policy else "estimator", prefix_mb,
+        f"paged, {kv_blocks} blocks of {BLOCK_SIZE}" if kv_blocks else "static rows")
     server.run()
     return 0 if server.started else 1
+
+
+def _kv_blocks(args, llm) -> int | None:
+    """The paged pool's blocks (None: static rows), sized by ``--kv-cache-mb``; the pool must hold
+    one sequence of max-model-len tokens plus the drafter's slack."""
+    if not args.paged_kv:
+        if args.kv_cache_mb is not None:
+            raise ValueError("--kv-cache-mb sizes the paged KV cache: drop it or --no-paged-kv")
+        return None
+    model = llm.target.model
+    return pool_blocks(model.cfg, next(model.parameters()).dtype, args.kv_cache_mb, args.max_num_seqs,
+                       llm.max_model_len + KV_SLACK)
 
 
 def main(argv: list[str] | None = None) -> int:

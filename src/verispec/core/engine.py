@@ -1,4 +1,5 @@
-"""The speculative decoding loop, for a batch of sequences in rows of one static KV cache.
+"""The speculative decoding loop, for a batch of sequences in rows of one KV cache (static rows,
+or a paged pool: ``kv_blocks``).
 
     prefill ──► [ propose ──► verify ──► accept ──► emit ] ──► done
 
@@ -16,8 +17,8 @@ see ``prefill``), ``abort``, and a per-step draft budget (``step(budget=k)`` cap
 its first k nodes, 0 = plain decoding), with a ``StepReport`` of what the step ran.
 
 Prefix caching (``prefix_cache``, see ``prefix_cache``): at admission a sequence whose prompt starts
-with cached blocks gets their K/V copied into its row and prefills only the rest (positions from
-the hit on); requests asking ``prompt_logprobs`` skip the lookup (they need every position's
+with cached blocks gets their K/V (on a paged cache: the blocks themselves, shared) into its row and
+prefills only the rest (positions from the hit on); requests asking ``prompt_logprobs`` skip the lookup (they need every position's
 logits). The prompt's whole blocks are inserted after prefill, and the committed prompt + output
 tokens' blocks when the sequence retires. Drafters are started as without a cache, with the full
 prompt's target features (cached ones joined to the prefilled rest's).
@@ -39,7 +40,8 @@ from .features import TargetFeatures, join_features
 from .logits import LogitsPipeline, TokenConstraint
 from .logprobs import TokenLogprob, token_logprobs
 from .metrics import SpecStats
-from ..models.kv_cache import KVCache
+from .kv_budget import KVBudget, make_cache
+from ..models.paged_kv import BLOCK_SIZE
 from ..models.transformer import Transformer
 from .params import SamplingParams
 from .prefill import PrefillJob, chunked_prefill, run_all
@@ -97,7 +99,8 @@ class Engine:
                  max_len: int, eos_token_ids: tuple[int, ...] = (), max_context: int | None = None,
                  acceptance: AcceptanceRule = LOSSLESS, prefix_cache: PrefixCache | None = None,
                  device: str | torch.device | None = None, forward=None, gate: DraftGate | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, kv_blocks: int | None = None,
+                 block_size: int = BLOCK_SIZE):
         """``max_len``: cache slots per row (prompt + output + tree slack). ``max_context``: the
         model's usable context; generation stops with reason "length" when it is reached.
         ``acceptance``: the rule that decides which draft tokens are kept (lossless default).
@@ -109,7 +112,10 @@ class Engine:
         ``prefill_chunk``: the grid prompts are prefilled on (``prefill``; the same grid gives
         the same numbers, so engines that must agree token for token share it).
         ``gate``: how many draft nodes each sequence gets each step (``draft_gate.DraftGate``:
-        adaptive drafting; default: the drafter's whole tree)."""
+        adaptive drafting; default: the drafter's whole tree).
+        ``kv_blocks``: a paged KV cache of that many blocks of ``block_size`` slots, shared by the
+        rows (``max_len`` then bounds one row); admission books each sequence's worst case
+        (``kv_budget``). None: static rows of ``max_len`` slots."""
         if not isinstance(acceptance, AcceptanceRule):
             raise TypeError(f"acceptance must be an AcceptanceRule (name, lossy, __call__), got {acceptance!r}")
         self.model = model
@@ -122,7 +128,8 @@ class Engine:
         dtype, self.device = first.dtype, first.device
         if device is not None and not same_device(torch.device(device), self.device):
             raise ValueError(f"engine device {device} differs from the model's {self.device}")
-        self.cache = KVCache.for_model(model.cfg, max_batch, max_len, dtype, device=self.device)
+        self.cache = make_cache(model.cfg, max_batch, max_len, dtype, self.device, kv_blocks, block_size)
+        self.kv = KVBudget(self.cache, self.max_tree_nodes + 1)
         self.eos = set(eos_token_ids)
         self.max_context = min(max_context or max_len, max_len - 1 - self.max_tree_nodes)
         self.free_rows = list(range(max_batch))[::-1]
@@ -139,6 +146,8 @@ class Engine:
             cfg = model.cfg
             prefix_cache.bind(CacheLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
                                           tuple(sorted(layers)), want_last))
+            if self.cache.paged:
+                prefix_cache.attach(self.cache)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -158,8 +167,25 @@ class Engine:
         return sum(1 for s in self.running if not s.finished)
 
     # ------------------------------------------------------------------ admission and prefill
-    def can_admit(self) -> bool:
-        return bool(self.free_rows)
+    def can_admit(self, seq: Sequence | None = None) -> bool:
+        """A free row, and with ``seq`` (anything with ``prompt_ids`` and ``params``) room in a
+        paged pool for its worst case (``kv_budget``)."""
+        return bool(self.free_rows) and (seq is None or self.kv.fits(self._worst(seq)))
+
+    def kv_shortfall(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why the KV pool could never hold a request of this size (None: it can, or static rows)."""
+        need = self.kv.worst(prompt_tokens, max_tokens, self.max_context)
+        if self.kv.holds(need):
+            return None
+        return (f"{need} KV cache slots needed (prompt, max_tokens and draft slack); the KV cache holds "
+                f"{self.cache.num_blocks * self.cache.block_size}")
+
+    def kv_usage(self) -> tuple[int, int]:
+        """(blocks in use, blocks in all) of a paged KV pool; (0, 0) for static rows."""
+        return (self.cache.num_used_blocks, self.cache.num_blocks) if self.cache.paged else (0, 0)
+
+    def _worst(self, seq: Sequence) -> int:
+        return self.kv.worst(len(seq.prompt_ids), seq.params.max_tokens, self.max_context)
 
     def add(self, seq: Sequence) -> None:
         """Prefill ``seq`` into a free row and choose its first token."""
@@ -172,9 +198,9 @@ class Engine:
             self._check_prompt(seq)
         if len(seqs) > len(self.free_rows):
             raise RuntimeError("not enough free batch rows; check can_admit() first")
-        for seq in seqs:
-            self._take_row(seq)
         try:
+            for seq in seqs:
+                self._take_row(seq)
             hits = [self._load_prefix(s) for s in seqs]
             results = self._prefill_all(seqs, [h.num_tokens for h in hits])
             for seq, hit, (logits, feats) in zip(seqs, hits, results):
@@ -248,8 +274,12 @@ class Engine:
             raise ValueError("prompt is empty")
         if n >= self.max_context:
             raise ValueError(f"prompt has {n} tokens; the context holds {self.max_context}")
+        why = self.kv_shortfall(n, seq.params.max_tokens)
+        if why:
+            raise ValueError(f"the request does not fit the KV pool: {why}")
 
     def _take_row(self, seq: Sequence) -> None:
+        self.kv.commit(seq.seq_id, self._worst(seq))
         seq.row = self.free_rows.pop()
         seq.generator = seq.generator or make_generator(seq.params.seed, self.device)
         seq.pipeline = LogitsPipeline.build(seq.params, tuple(self.eos), seq.constraint)
@@ -278,6 +308,7 @@ class Engine:
                 self._drafter.release(seq.row)
             if self.gate is not None:
                 self.gate.release(seq.seq_id)
+        self.kv.release(seq.seq_id)
         if seq.row >= 0 and seq.row not in self.free_rows:
             self.cache.reset(seq.row)
             self.free_rows.append(seq.row)
@@ -289,7 +320,10 @@ class Engine:
         if self._prefix_cache is None or seq.params.prompt_logprobs is not None:
             return PrefixHit(0)
         hit = self._prefix_cache.lookup(seq.prompt_ids)
-        if hit.num_tokens:
+        if hit.blocks:                                   # a paged pool's blocks, shared
+            self.cache.share(seq.row, hit.blocks, hit.num_tokens)
+            hit = replace(hit, features=features_to(hit.features, self.device))
+        elif hit.num_tokens:
             self.cache.write_prefix(seq.row, hit.k.to(self.device), hit.v.to(self.device))
             hit = replace(hit, features=features_to(hit.features, self.device))
         return hit

@@ -29,6 +29,14 @@ Contract
 - Thread-safe: one lock around the index (``LLM.generate`` calls on threads share the cache).
 - Device: blocks are copied out of the engine's cache, so they live on its device (GPU memory on
   CUDA, counted in ``budget_bytes`` all the same); a hit is copied into a row on that device.
+- Shared blocks (an engine on a ``PagedKVCache``, the server's): ``attach(pool)`` makes the cache
+  keep references to the pool's blocks instead of copies. ``insert`` takes one more reference to
+  each new block of the row; ``lookup`` returns the block ids (``PrefixHit.blocks``), which the
+  engine puts at the start of the new row's block table (``PagedKVCache.share``): no copy, and a
+  block a row would write is copied first (copy-on-write). K/V then live in the pool, within its
+  budget: when the pool runs short it calls ``reclaim``, which drops the least recently used
+  leaves that no row uses. ``budget_bytes`` bounds the features alone. Attaching to another pool
+  (a rebuilt engine) forgets every block.
 
 Store vs rebuild (measured, ``benchmarks/results/prefix_cache.md``): drafter state that depends on
 the prefix is not stored, only the target's features. Drafters are rebuilt by their own
@@ -82,7 +90,7 @@ class PrefixCacheStats:
     inserted_blocks: int = 0
     evicted_blocks: int = 0
     num_blocks: int = 0         # blocks held now
-    bytes_used: int = 0         # bytes of K/V and features held now
+    bytes_used: int = 0         # bytes of K/V and features held now (K/V in a pool's blocks included)
 
     @property
     def hit_rate(self) -> float:
@@ -96,6 +104,7 @@ class PrefixHit:
     k: torch.Tensor | None = None              # [num_layers, num_kv_heads, num_tokens, head_dim]
     v: torch.Tensor | None = None
     features: TargetFeatures | None = None     # at positions 0 .. num_tokens - 1, when stored
+    blocks: tuple[int, ...] = ()               # attached to a pool: its block ids (no k, v)
 
 
 @dataclass(eq=False)
@@ -103,11 +112,12 @@ class _Block:
     key: bytes
     parent: bytes | None
     tokens: tuple[int, ...]
-    k: torch.Tensor                            # [num_layers, num_kv_heads, block_size, head_dim]
-    v: torch.Tensor
+    k: torch.Tensor | None                     # [num_layers, num_kv_heads, block_size, head_dim]
+    v: torch.Tensor | None
     features: TargetFeatures | None
-    nbytes: int
+    nbytes: int                                # bytes counted against ``budget_bytes``
     children: int = 0
+    block: int | None = None                   # attached to a pool: the block held (k, v None)
 
 
 def block_keys(tokens: list[int], block_size: int) -> list[bytes]:
@@ -158,6 +168,8 @@ class PrefixCache:
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()     # least recently used first
         self._stats = PrefixCacheStats()
         self._lock = threading.Lock()
+        self._pool = None                                             # PagedKVCache when attached
+        self._budgeted = 0                                            # bytes counted against the budget
 
     @classmethod
     def from_mib(cls, mib: float, block_size: int = 16) -> "PrefixCache":
@@ -175,6 +187,45 @@ class PrefixCache:
                 raise ValueError(f"this prefix cache holds blocks of {self.layout}; an engine with {layout} "
                                  "cannot share it (one cache serves one target model and drafter feature set)")
 
+    def attach(self, pool) -> None:
+        """Keep references to ``pool``'s blocks (a ``PagedKVCache`` of the bound layout) instead
+        of copies; its ``reclaim`` then frees the blocks only this cache holds. Attaching to
+        another pool forgets every block (without touching the old pool)."""
+        with self._lock:
+            if pool is self._pool:
+                return
+            if pool.block_size != self.block_size:
+                raise ValueError(f"prefix cache blocks of {self.block_size} tokens cannot share a KV pool of "
+                                 f"{pool.block_size}-slot blocks")
+            if self._pool is not None or self._blocks:
+                self._forget()
+            self._pool = pool
+            pool.reclaim = self.reclaim
+
+    @property
+    def attached(self) -> bool:
+        return self._pool is not None
+
+    def reclaim(self, blocks: int) -> int:
+        """Drop least recently used leaves whose pool block no row uses until ``blocks`` pool
+        blocks are free again (or none is left to drop). Returns the blocks freed."""
+        freed = 0
+        with self._lock:
+            while freed < blocks:
+                victim = next((b for b in self._blocks.values()
+                               if b.children == 0 and self._pool.ref_count(b.block) == 1), None)
+                if victim is None:
+                    break
+                self._evict(victim)
+                freed += 1
+        return freed
+
+    def _forget(self) -> None:
+        self._stats.evicted_blocks += len(self._blocks)
+        self._blocks.clear()
+        self._stats.num_blocks = self._stats.bytes_used = 0
+        self._budgeted = 0
+
     @property
     def bytes_used(self) -> int:
         return self._stats.bytes_used
@@ -189,9 +240,9 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every block (the counters of queries and hits stay)."""
         with self._lock:
-            self._stats.evicted_blocks += len(self._blocks)
-            self._blocks.clear()
-            self._stats.num_blocks = self._stats.bytes_used = 0
+            if self._pool is not None:
+                self._pool.release([b.block for b in self._blocks.values()])
+            self._forget()
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, prompt: list[int]) -> PrefixHit:
@@ -211,6 +262,9 @@ class PrefixCache:
             self._stats.hits += len(found) * bs
         if not found:
             return PrefixHit(0)
+        if self._pool is not None:
+            return PrefixHit(len(found) * bs, features=join_features([b.features for b in found]),
+                             blocks=tuple(b.block for b in found))
         return PrefixHit(len(found) * bs, torch.cat([b.k for b in found], dim=2),
                          torch.cat([b.v for b in found], dim=2), join_features([b.features for b in found]))
 
@@ -234,13 +288,23 @@ class PrefixCache:
                 self._blocks.move_to_end(key)
                 parent = key
             added = 0
+            if self._pool is not None and cache is not self._pool:
+                raise ValueError("this prefix cache shares the blocks of another KV pool")
             for i in range(first_new, len(keys)):
-                k, v = cache.read_slots(row, i * bs, (i + 1) * bs)
+                block = None
+                if self._pool is not None:                  # a reference to the row's block
+                    k = v = None
+                    block = cache.blocks_of(row)[i]
+                else:
+                    k, v = cache.read_slots(row, i * bs, (i + 1) * bs)
                 feats = slice_features(features, i * bs, (i + 1) * bs) if layout.needs_features else None
                 size = _nbytes(k, v, *(feats.hidden.values() if feats else ()), feats and feats.last_hidden)
                 if not self._make_room(size, protect=parent):
                     break
-                self._add(_Block(keys[i], parent, tuple(tokens[i * bs:(i + 1) * bs]), k, v, feats, size))
+                if block is not None:
+                    cache.retain([block])
+                self._add(_Block(keys[i], parent, tuple(tokens[i * bs:(i + 1) * bs]), k, v, feats, size,
+                                 block=block))
                 parent, added = keys[i], added + 1
         return added
 
@@ -261,20 +325,30 @@ class PrefixCache:
             self._blocks[block.parent].children += 1
         self._stats.inserted_blocks += 1
         self._stats.num_blocks += 1
-        self._stats.bytes_used += block.nbytes
+        self._budgeted += block.nbytes
+        self._stats.bytes_used += block.nbytes + self._pool_bytes(block)
 
     def _make_room(self, size: int, protect: bytes | None) -> bool:
         """Evict least recently used leaves (never ``protect``) until ``size`` more bytes fit."""
         if size > self.budget_bytes:
             return False
-        while self._stats.bytes_used + size > self.budget_bytes:
+        while self._budgeted + size > self.budget_bytes:
             victim = next((b for b in self._blocks.values() if b.children == 0 and b.key != protect), None)
             if victim is None:
                 return False
-            del self._blocks[victim.key]
-            if victim.parent is not None:
-                self._blocks[victim.parent].children -= 1
-            self._stats.evicted_blocks += 1
-            self._stats.num_blocks -= 1
-            self._stats.bytes_used -= victim.nbytes
+            self._evict(victim)
         return True
+
+    def _evict(self, victim: _Block) -> None:
+        del self._blocks[victim.key]
+        if victim.parent is not None:
+            self._blocks[victim.parent].children -= 1
+        if victim.block is not None:
+            self._pool.release([victim.block])
+        self._stats.evicted_blocks += 1
+        self._stats.num_blocks -= 1
+        self._budgeted -= victim.nbytes
+        self._stats.bytes_used -= victim.nbytes + self._pool_bytes(victim)
+
+    def _pool_bytes(self, block: _Block) -> int:
+        return self._pool.bytes_per_block if block.block is not None else 0

@@ -41,6 +41,11 @@ def _register_fake() -> None:
         b, h, t, d = q.shape
         return q.new_empty((b, t, h, d)).permute(0, 2, 1, 3)
 
+    @torch.library.register_fake("verispec_attn::paged_attention")
+    def _(q, k, v, table, mask, scale, shift, max_threads):
+        b, h, t, d = q.shape
+        return q.new_empty((b, t, h, d)).permute(0, 2, 1, 3)
+
 
 _OP = native.NativeOp("verispec_attn", "attention.cpp", no_isa="neither AVX2 nor AVX-512",
                       off=lambda: "turned off by VERISPEC_ATTENTION=sdpa" if _OFF else None,
@@ -94,6 +99,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         return torch.ops.verispec_attn.attention(q, k, v, mask, float(s), max_threads(0))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1],
                                           scale=scale)
+
+
+def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, used: int,
+                 mask: torch.Tensor | None, scale: float | None, softcap: float | None, shift: int) -> torch.Tensor:
+    """``attend`` over the first ``used`` slots of a paged cache's rows: pools ``[P, KVH, D]`` of
+    physical slots, ``table [B, blocks]`` (slot j at block ``table[b, j >> shift]``). The
+    row-invariant op reads the pool in place (bit-identical to ``attend`` on the same K/V in
+    static rows); other paths gather the slots, then ``attend``."""
+    if not softcap and uses_op(q, mask):
+        s = q.shape[-1] ** -0.5 if scale is None else scale
+        return torch.ops.verispec_attn.paged_attention(q, k_pool, v_pool, table, mask, float(s), shift,
+                                                       max_threads(0))
+    size = 1 << shift
+    blocks = -(-used // size)
+    phys = (table[:, :blocks, None] * size + torch.arange(size, device=table.device)).flatten(1)[:, :used]
+    return attend(q, k_pool[phys].transpose(1, 2), v_pool[phys].transpose(1, 2), mask, scale, softcap)
 
 
 def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

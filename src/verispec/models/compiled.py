@@ -137,12 +137,7 @@ class CompiledForward:
         the K/V tensors are marked dynamic before the first compile, so a new cache does not
         recompile."""
         if cache not in self._caches:
-            for t in (*cache.k, *cache.v):
-                torch._dynamo.mark_dynamic(t, 2)
-                if t.shape[0] > 1:        # and its rows: a server's engine reuses a warm-up's graphs
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
-            if cache.lengths.shape[0] > 1:
-                torch._dynamo.maybe_mark_dynamic(cache.lengths, 0)
+            cache.mark_dynamic()          # and its rows: a server's engine reuses a warm-up's graphs
             self._caches.add(cache)
 
     @staticmethod
@@ -179,6 +174,7 @@ class CompiledForward:
         # view (a tree batch's expanded mask) and once not (a padded batch's) compiled twice
         tokens, positions, attn_mask = (x.clone() if x is not None and x._base is not None else x
                                         for x in (tokens, positions, attn_mask))
+        cache.reserve(range(b), int(tokens.shape[1]))      # a paged cache's blocks (host work, before the graph)
         self._mark(cache)
         self._mark_length(tokens, positions, attn_mask)
         before, t0 = _graphs(), time.perf_counter()
@@ -216,9 +212,8 @@ class CompiledForward:
         K/V values do not matter: the output is dropped)."""
         twin = kv_len + KV_GRANULE
         if twin > cache.max_len:
-            spare = KVCache.for_model(self.model.cfg, cache.max_batch, twin, cache.k[0].dtype, cache.device)
-            rows = list(range(cache.max_batch))
-            spare.advance(rows, cache.lengths_of(rows))
+            spare = cache.spare(twin)
+            spare.reserve(range(int(tokens.shape[0])), int(tokens.shape[1]))
             self._mark(spare)
             cache = spare
         self._fn(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=hidden_layers, kv_len=twin,

@@ -46,6 +46,8 @@ def bucket_len(n: int, max_len: int, granule: int = KV_GRANULE) -> int:
 
 
 class KVCache:
+    paged = False            # ``paged_kv.PagedKVCache``: the same contract over a block pool
+
     def __init__(self, num_layers: int, max_batch: int, num_kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         shape = (max_batch, num_kv_heads, max_len + 1, head_dim)     # + 1 spare slot: see above
@@ -108,7 +110,35 @@ class KVCache:
             return slice(r0, r0 + rows.numel())
         return rows
 
+    def reserve(self, rows: Rows, new_tokens: int | Sequence[int]) -> None:
+        """Make room for a forward of ``new_tokens`` on ``rows``: every slot of a static row
+        exists already (a paged cache hands out blocks here)."""
+
+    def spare(self, max_len: int) -> "KVCache":
+        """A scratch cache of the same kind and layout with ``max_len`` slots per row and the same
+        lengths (its K/V values are zeros)."""
+        cache = KVCache(len(self.k), self.max_batch, self.k[0].shape[1], max_len, self.k[0].shape[3],
+                        self.k[0].dtype, self.device)
+        rows = list(range(self.max_batch))
+        cache.advance(rows, self.lengths_of(rows))
+        return cache
+
+    def mark_dynamic(self) -> None:
+        """Mark for ``torch.compile`` the dimensions that differ between engines' caches: the slot
+        dimension, and the row dimension of caches of several rows."""
+        for t in (*self.k, *self.v):
+            torch._dynamo.mark_dynamic(t, 2)
+            if t.shape[0] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        if self.lengths.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(self.lengths, 0)
+
     # -- writes and reads used by attention ---------------------------------------------------
+    @staticmethod
+    def physical(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Where ``write`` puts slots ``[B, T]`` of ``rows``: the slots themselves in static rows."""
+        return slots
+
     def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k, v [B, H, T, D]`` at ``slots [B, T]`` of ``rows [B]``."""

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attend
+from .attention import attend, attend_paged
 from .config import ModelConfig, UnsupportedModelError
 from .kv_cache import CacheFullError, KVCache, Rows
 
@@ -142,6 +142,10 @@ class Attention(nn.Module):
             # isinstance, not ``select is None``: dynamo evaluates an identity test on a slice by
             # specialising its symbolic bounds, which recompiled the graph for every batch size
             sel = select if isinstance(select, (slice, torch.Tensor)) else cache.view_rows(rows)
+            if cache.paged:
+                out = attend_paged(q, cache.k[self.layer], cache.v[self.layer], cache.table[sel], used, mask,
+                                   self.scale, self.softcap, cache.shift)
+                return self.wo(out.transpose(1, 2).reshape(b, t, self.h * self.d))
             k, v = cache.read(self.layer, sel, used)
         out = attend(q, k, v, mask, self.scale, self.softcap)
         return self.wo(out.transpose(1, 2).reshape(b, t, self.h * self.d))
@@ -231,6 +235,8 @@ def _cache_shape(cache: KVCache, rows: Rows | None, b: int, t: int, kv_len: int 
     checked on the host mirror when the rows are host-known, except under ``torch.compile``."""
     index, select = cache.select(rows, b)
     on_device = isinstance(rows, torch.Tensor) and rows.device.type != "cpu"
+    if not torch.compiler.is_compiling():
+        cache.reserve(range(b) if rows is None else rows, t)     # a paged cache's blocks for the new slots
     if kv_len is None:
         select = cache.view_rows(select) if on_device else select
         lengths = cache.lengths[select]
@@ -305,7 +311,7 @@ class Transformer(nn.Module):
             torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
         if cache is not None:
             index, select, lengths, used = _cache_shape(cache, rows, b, t, kv_len)
-            slots = lengths[:, None] + torch.arange(t, device=dev)
+            slots = cache.physical(index, lengths[:, None] + torch.arange(t, device=dev))
             mask = build_mask(lengths, used, new_mask)
         else:
             index, select, slots, used, lengths = None, None, None, t, None

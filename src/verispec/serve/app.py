@@ -70,6 +70,7 @@ class ServeConfig:
     audit_log_prompts: bool = False                 # ... with the prompt text
     warmup: bool = False                            # decode a short prompt (batch 1, then 2) before /ready
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK   # chunked prefill: prompt tokens a round (None: off)
+    kv_blocks: int | None = None                    # paged KV pool of this many blocks (None: static rows)
 
     @property
     def max_body_bytes(self) -> int:

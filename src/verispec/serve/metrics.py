@@ -90,6 +90,12 @@ class ServerMetrics:
         self.prefix_cache_bytes = Gauge("verispec:prefix_cache_bytes",
                                         "Bytes of K/V and target features held by the prefix cache.", registry=r)
         self._prefix_seen = (0, 0)
+        self.kv_blocks_total = Gauge("verispec:kv_cache_blocks_total",
+                                     "Blocks of the paged KV pool (0: static rows).", registry=r)
+        self.kv_blocks_used = Gauge("verispec:kv_cache_blocks_used",
+                                    "Blocks of the paged KV pool holding K/V (rows and prefix cache).", registry=r)
+        self.kv_usage = Gauge("verispec:kv_cache_usage_perc",
+                              "Share of the paged KV pool in use, 0..1.", registry=r)
         self.compiled_graphs = Gauge("verispec:compiled_graphs",
                                      "Graphs torch.compile made in this process (warm-up included); a rise "
                                      "under load is a recompile a request waited for.", registry=r)
@@ -137,6 +143,12 @@ class ServerMetrics:
             self.prefix_cache_hits.inc(stats.hits - h0)
             self._prefix_seen = (stats.queries, stats.hits)
             self.prefix_cache_bytes.set(stats.bytes_used)
+
+    def observe_kv(self, used: int, total: int) -> None:
+        """The paged pool's occupancy (``Engine.kv_usage``; static rows report 0 blocks)."""
+        self.kv_blocks_total.set(total)
+        self.kv_blocks_used.set(used)
+        self.kv_usage.set(used / total if total else 0.0)
 
     def observe_compiled(self, forward) -> None:
         """Set the compile gauges from a ``models.compiled.CompiledForward`` (its process-wide counts)."""

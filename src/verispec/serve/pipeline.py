@@ -61,7 +61,7 @@ class RequestPipeline:
                                    max_model_len=self.cfg.max_model_len, metrics=self.metrics,
                                    max_queue=self.cfg.max_queue, request_timeout=self.cfg.request_timeout,
                                    policy=self.cfg.policy, decode=self.decode, warmup=self.cfg.warmup,
-                                   prefill_chunk=self.cfg.prefill_chunk)
+                                   prefill_chunk=self.cfg.prefill_chunk, kv_blocks=self.cfg.kv_blocks)
         self.scheduler.start()
 
     @property
@@ -152,6 +152,14 @@ class RequestPipeline:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.cfg.model_name}`.", param="model", code="model_not_found")
 
+    def _check_pool(self, n_prompt: int, max_tokens: int, kind: str) -> None:
+        """A request the paged KV pool could never hold whole (--kv-cache-mb) is a 400, not a wait."""
+        why = self.scheduler.engine.kv_shortfall(n_prompt, max_tokens) if self.scheduler is not None else None
+        if why:
+            raise APIError(400, f"This request does not fit this server's KV cache (--kv-cache-mb): {why}. "
+                                f"Please reduce the length of the {kind} or completion.",
+                           param=kind, code="context_length_exceeded")
+
     def _params(self, req: _Common, n_prompt: int, max_tokens: int | None, kind: str) -> SamplingParams:
         """Check the limits and build ``SamplingParams``; raises ``APIError`` (400)."""
         why = req.unsupported()
@@ -174,6 +182,7 @@ class RequestPipeline:
                                 f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {kind}, "
                                 f"{max_tokens} in the completion). Please reduce the length of the "
                                 f"{kind} or completion.", param=kind, code="context_length_exceeded")
+        self._check_pool(n_prompt, max_tokens, kind)
         try:
             params = sampling_params(req, max_tokens)
             self.llm.check_params(params)          # as LLM.generate checks: vocabulary, grammar

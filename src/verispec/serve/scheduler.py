@@ -129,13 +129,16 @@ class Scheduler:
     def __init__(self, llm: LLM, *, max_num_seqs: int, max_model_len: int, metrics: ServerMetrics,
                  max_queue: int = 1024, request_timeout: float | None = None,
                  policy: SpecPolicy | None = None, decode: Callable[[list[int]], str] | None = None,
-                 warmup: bool = False, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
+                 warmup: bool = False, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+                 kv_blocks: int | None = None):
         """``decode``: the tokenizer's decode for the requests' text (e.g. one that holds a lock).
         ``prefill_chunk``: chunked prefill, prompt tokens prefilled per round while other sequences
         decode (at least ``MIN_PREFILL_CHUNK``; None: every prompt whole at admission).
         ``warmup``: before serving, the scheduler thread decodes a short prompt at batch 1 and then
         2 (``warm_up``), so a compiled model's graphs (one-token, prefill/verify, any batch size)
-        are made before the first request, not inside it; ``warmed`` is set when that is over."""
+        are made before the first request, not inside it; ``warmed`` is set when that is over.
+        ``kv_blocks``: the engine's paged KV pool (``Engine``; None: static rows). A request waits
+        in the queue until the pool can hold its worst case (``core.kv_budget``)."""
         self.llm = llm
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -147,6 +150,7 @@ class Scheduler:
         if prefill_chunk is not None and prefill_chunk < MIN_PREFILL_CHUNK:
             raise ValueError(f"prefill_chunk must be at least {MIN_PREFILL_CHUNK} tokens, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        self.kv_blocks = kv_blocks
         self.engine = self._new_engine()
         self._cond = threading.Condition()
         self._waiting: collections.deque[EngineRequest] = collections.deque()
@@ -162,8 +166,9 @@ class Scheduler:
             self.warmed.set()
 
     def _new_engine(self) -> Engine:
-        engine = self.llm.make_engine(self.max_num_seqs, self.max_model_len,
+        engine = self.llm.make_engine(self.max_num_seqs, self.max_model_len, kv_blocks=self.kv_blocks,
                                       prefill_chunk=self.prefill_chunk or PREFILL_CHUNK)
+        self.metrics.observe_kv(*engine.kv_usage())
         if self.policy is not None:
             self.policy.bind(engine.max_tree_nodes)
         self.metrics.reset_spec_baseline()
@@ -253,7 +258,9 @@ class Scheduler:
         params = SamplingParams(temperature=0.0, max_tokens=8)
         cache, self.llm.prefix_cache = self.llm.prefix_cache, None
         try:
-            engine = self.llm.make_engine(self.max_num_seqs, len(ids) + 16)
+            # the server's kind of cache (paged or static): the graphs read its tensors
+            engine = self.llm.make_engine(self.max_num_seqs, len(ids) + 16,
+                                          kv_blocks=None if self.kv_blocks is None else 4 * len(ids) + 64)
             for batch in sorted({1, min(2, self.max_num_seqs)}):
                 engine.run([Sequence(prompt_ids=list(ids), params=params) for _ in range(batch)])
         finally:
@@ -296,6 +303,7 @@ class Scheduler:
             self.metrics.observe_prefix_cache(self.engine.prefix_cache.stats())
         if self.llm.compiled is not None:
             self.metrics.observe_compiled(self.llm.compiled)
+        self.metrics.observe_kv(*self.engine.kv_usage())
         self.metrics.running.set(self.engine.num_running)
         self.metrics.waiting.set(len(self._waiting))
         return True
@@ -356,6 +364,8 @@ class Scheduler:
             with self._cond:
                 if not self._waiting or self._stop_at is not None:
                     return
+                if not self.engine.can_admit(self._waiting[0]):
+                    return                    # the KV pool is booked: the oldest request waits
                 req = self._waiting.popleft()
                 self.metrics.waiting.set(len(self._waiting))
             try:

@@ -1,0 +1,309 @@
+"""Paged KV cache: K/V in fixed-size blocks of one shared pool, a block table per sequence row.
+
+The same contract as ``KVCache`` (slots, lengths, commits, host mirror, bucketed ``kv_len``), with
+memory that grows with the tokens in use instead of ``max_batch x max_len``:
+
+- The pool: ``k[layer]`` and ``v[layer]`` are ``[num_blocks * block_size, num_kv_heads, head_dim]``
+  (physical slots). Slot ``j`` of row ``r`` lives at physical slot
+  ``table[r, j // block_size] * block_size + j % block_size``.
+- ``table [max_batch, blocks_per_row]`` (long, on the cache device: a GPU forward reads it in the
+  graph) and a host copy of each row's block list. Entries past a row's blocks point at block 0,
+  the null block: never handed out; a write of a row with holes (a ghost row) may land there, and
+  what lies there is only read under a mask.
+- ``reserve(rows, new_tokens)`` hands out the blocks a forward of ``new_tokens`` on each row will
+  write, all or nothing (``KVPoolFullError`` when the pool is short; nothing changes). Every eager
+  forward calls it (``transformer._cache_shape``), and ``CompiledForward`` calls it before its
+  graph: a forward never writes a slot without a block. A shared block about to be written is
+  copied first (copy-on-write).
+- ``reset(row)`` gives the row's blocks back. Blocks are reference-counted: ``share(row, blocks)``
+  starts an empty row with blocks another owner holds (the prefix cache's blocks), and ``retain``
+  / ``release`` let an owner outside the rows (the prefix cache) keep blocks alive. A block goes
+  back to the free list when its last reference is dropped.
+- Rolling back keeps a row's blocks (the next step writes them again); ``reset`` frees them.
+- Attention reads the pool through the table: the row-invariant C++ op takes the pool and table
+  as they are (``attention.attend_paged``; bit-identical to the static cache's), other paths
+  gather the attended slots first.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .kv_cache import CacheFullError, KVCache, Rows, _host_rows, _index
+
+BLOCK_SIZE = 16                  # slots per block (vLLM's default)
+
+
+class KVPoolFullError(CacheFullError):
+    """The pool has fewer free blocks than a forward needs (not the per-row slot limit)."""
+
+
+def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-tokens // block_size)
+
+
+class PagedKVCache(KVCache):
+    paged = True
+
+    def __init__(self, num_layers: int, max_batch: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 num_blocks: int, block_size: int = BLOCK_SIZE, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        """``num_blocks``: blocks a sequence can use, all rows together (one more, the null block,
+        is allocated); ``max_len``: the most slots one row may use, as in ``KVCache``."""
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"a paged KV cache needs at least one block, got {num_blocks}")
+        self.block_size, self.shift = block_size, block_size.bit_length() - 1
+        self.num_blocks = num_blocks
+        self.blocks_per_row = blocks_for(max_len, block_size) + 1      # + 1 spare: see KVCache
+        pool = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
+        # empty: the host's pages are committed as blocks are first used (``_zero`` clears a block
+        # when it is handed out: a masked slot must never hold a NaN that 0 x NaN would spread)
+        self.k = [torch.empty(pool, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(pool, dtype=dtype, device=device) for _ in range(num_layers)]
+        for t in (*self.k, *self.v):
+            t[:block_size] = 0                                           # the null block
+        with torch.inference_mode(False):
+            self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)
+            self.table = torch.zeros(max_batch, self.blocks_per_row, dtype=torch.long, device=device)
+        self.max_len, self.max_batch = max_len, max_batch
+        self._host, self._seen = [0] * max_batch, self.lengths._version
+        self._blocks: list[list[int]] = [[] for _ in range(max_batch)]
+        self._refs = [0] * (num_blocks + 1)
+        self._free = list(range(num_blocks, 0, -1))                      # pop() hands out the lowest
+        self.reclaim: Callable[[int], int] | None = None                 # frees blocks on demand (prefix cache)
+
+    @classmethod
+    def for_model(cls, cfg, max_batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu", *, num_blocks: int | None = None,
+                  block_size: int = BLOCK_SIZE) -> "PagedKVCache":
+        """``num_blocks`` defaults to what static rows would hold (``max_batch x max_len``)."""
+        n = num_blocks if num_blocks is not None else max_batch * blocks_for(max_len, block_size)
+        return cls(cfg.num_layers, max_batch, cfg.num_kv_heads, max_len, cfg.head_dim, n, block_size, dtype, device)
+
+    @staticmethod
+    def blocks_in_budget(cfg, budget_bytes: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> int:
+        """How many blocks of K and V for every layer of ``cfg`` fit in ``budget_bytes``."""
+        per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        return budget_bytes // per_block
+
+    # -- the pool ------------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * len(self.k) * self.block_size * self.k[0].shape[1] * self.k[0].shape[2] * self.k[0].element_size()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_of(self, row: int) -> list[int]:
+        return list(self._blocks[row])
+
+    def ref_count(self, block: int) -> int:
+        """References to ``block`` (rows using it, plus owners such as the prefix cache)."""
+        return self._refs[block]
+
+    def shortfall(self, rows: Rows, new_tokens: int | Sequence[int]) -> int:
+        """Free blocks missing for ``reserve(rows, new_tokens)`` (0: it would succeed). Shared
+        blocks that would be copied count as new."""
+        host = _host_rows(rows)
+        counts = [new_tokens] * len(host) if isinstance(new_tokens, int) else list(new_tokens)
+        need = sum(self._new_blocks(r, n, c) for r, n, c in zip(host, self.lengths_of(host), counts))
+        return max(0, need - len(self._free))
+
+    def _new_blocks(self, row: int, length: int, count: int) -> int:
+        have = self._blocks[row]
+        want = blocks_for(length + count, self.block_size)
+        shared = sum(1 for b in have[length // self.block_size:want] if self._refs[b] > 1)
+        return max(0, want - len(have)) + shared
+
+    def reserve(self, rows: Rows, new_tokens: int | Sequence[int]) -> None:
+        """Blocks for slots ``lengths[row] .. lengths[row] + new_tokens - 1`` of every row, all or
+        nothing: ``CacheFullError`` past ``max_len``, ``KVPoolFullError`` when the pool is short
+        (after asking ``reclaim`` for the missing blocks)."""
+        host = _host_rows(rows)
+        counts = [new_tokens] * len(host) if isinstance(new_tokens, int) else list(new_tokens)
+        lengths = self.lengths_of(host)
+        need = max((n + c for n, c in zip(lengths, counts)), default=0)
+        if need > self.max_len:
+            raise CacheFullError(f"KV cache holds {self.max_len} slots per sequence, {need} needed")
+        missing = self.shortfall(host, counts)
+        if missing and self.reclaim is not None:
+            self.reclaim(missing)
+            missing = self.shortfall(host, counts)
+        if missing:
+            raise KVPoolFullError(f"KV pool is full: {missing} more block(s) of {self.block_size} slots needed, "
+                                  f"{self.num_blocks} in all ({self.num_free_blocks} free)")
+        for row, length, count in zip(host, lengths, counts):
+            self._grow(row, length, count)
+
+    def _grow(self, row: int, length: int, count: int) -> None:
+        have = self._blocks[row]
+        want = blocks_for(length + count, self.block_size)
+        for i in range(length // self.block_size, min(want, len(have))):
+            if self._refs[have[i]] > 1:                                    # copy-on-write
+                fresh = self._take()
+                self._copy_block(have[i], fresh)
+                self._drop(have[i])
+                have[i] = fresh
+                self.table[row, i] = fresh
+        new = [self._take() for _ in range(want - len(have))]
+        if new:
+            index = torch.tensor(new, dtype=torch.long).to(self.device)
+            self._zero(index)
+            self.table[row, len(have):want] = index
+            have.extend(new)
+
+    def _zero(self, blocks: torch.Tensor) -> None:
+        for t in (*self.k, *self.v):
+            t.view(-1, self.block_size * t.shape[1] * t.shape[2]).index_fill_(0, blocks, 0)
+
+    def _take(self) -> int:
+        block = self._free.pop()
+        self._refs[block] = 1
+        return block
+
+    def _drop(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free.append(block)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        s, d, n = src * self.block_size, dst * self.block_size, self.block_size
+        for t in (*self.k, *self.v):
+            t[d:d + n] = t[s:s + n]
+
+    def retain(self, blocks: Sequence[int]) -> None:
+        """One more reference to each of ``blocks`` (held by a row)."""
+        for b in blocks:
+            if self._refs[b] < 1:
+                raise ValueError(f"block {b} is not in use")
+            self._refs[b] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each of ``blocks``; a block with none left is free."""
+        for b in blocks:
+            if self._refs[b] < 1:
+                raise ValueError(f"block {b} is not in use")
+            self._drop(b)
+
+    def share(self, row: int, blocks: Sequence[int], length: int) -> None:
+        """Start the empty ``row`` with ``blocks`` (held elsewhere: one more reference each) as its
+        first ``length`` committed slots."""
+        if self.lengths_of(row)[0] != 0 or self._blocks[row]:
+            raise ValueError(f"row {row} is not empty")
+        if blocks_for(length, self.block_size) != len(blocks) or length > self.max_len:
+            raise ValueError(f"{len(blocks)} blocks do not hold exactly {length} slots")
+        self.retain(blocks)
+        self._blocks[row] = list(blocks)
+        if blocks:
+            self.table[row, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.long).to(self.device)
+        self._set(row, [length])
+
+    # -- writes and reads used by attention ---------------------------------------------------
+    def physical(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Physical slots ``[B, T]`` of ``slots [B, T]`` of ``rows [B]`` (through the table)."""
+        blocks = self.table[rows[:, None], torch.div(slots, self.block_size, rounding_mode="floor")]
+        return blocks * self.block_size + slots % self.block_size
+
+    def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v [B, H, T, D]`` at the physical slots ``slots [B, T]`` (``physical``)."""
+        self.k[layer][slots] = k.transpose(1, 2)
+        self.v[layer][slots] = v.transpose(1, 2)
+
+    def read(self, layer: int, rows: slice | torch.Tensor, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies ``[B, H, used, D]`` of the first ``used`` slots of ``rows`` (a gather through the
+        table; ``attention.attend_paged`` reads the pool in place where it can)."""
+        phys = self.slot_index(rows, used)
+        return self.k[layer][phys].transpose(1, 2), self.v[layer][phys].transpose(1, 2)
+
+    def slot_index(self, rows: slice | torch.Tensor, used: int) -> torch.Tensor:
+        """Physical slots ``[B, used]`` of slots ``0 .. used - 1`` of ``rows``."""
+        nb = -(-used // self.block_size)
+        offs = torch.arange(self.block_size, device=self.device)
+        return (self.table[rows, :nb, None] * self.block_size + offs).flatten(1)[:, :used]
+
+    # -- commits -------------------------------------------------------------------------------
+    def compact(self, row: int, keep: torch.Tensor) -> None:
+        n = int(keep.numel())
+        self.compact_batch([row], keep.reshape(1, n).to(self.device), [n])
+
+    def _move(self, index: torch.Tensor, start: torch.Tensor, keep: torch.Tensor, cnt: torch.Tensor) -> None:
+        """Copy slots ``start + keep[b, j]`` to ``start + j`` (j < cnt[b]) of rows ``index``, in
+        every layer, through the table: one gather and one scatter per tensor."""
+        heads, dim = self.k[0].shape[1], self.k[0].shape[2]
+        j = torch.arange(keep.shape[1], device=self.device)[None, :]
+        jj = torch.where(j < cnt[:, None], j, (cnt[:, None] - 1).clamp(min=0))
+        has = cnt[:, None] > 0
+        dst = torch.where(has, start[:, None] + jj, 0)
+        src = torch.where(has, start[:, None] + keep.gather(1, jj), 0)
+        # a row that keeps nothing writes its slot 0 to itself; rows with no block there: block 0
+        src, dst = self.physical(index, src), self.physical(index, dst)
+        h = torch.arange(heads, device=self.device)
+        src, dst = (src[:, :, None] * heads + h).reshape(-1), (dst[:, :, None] * heads + h).reshape(-1)
+        for t in (*self.k, *self.v):
+            flat = t.view(-1, dim)
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+
+    def read_slots(self, row: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        length = self.lengths_of(row)[0]
+        if not 0 <= start <= stop <= length:
+            raise ValueError(f"slots {start}..{stop} are not committed in row {row} (length {length})")
+        phys = self.slot_index(slice(row, row + 1), stop)[0, start:]
+        return (torch.stack([k[phys].transpose(0, 1) for k in self.k]),
+                torch.stack([v[phys].transpose(0, 1) for v in self.v]))
+
+    def write_prefix(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        t = int(k.shape[2])
+        if self.lengths_of(row)[0] != 0:
+            raise ValueError(f"row {row} is not empty (length {self.lengths_of(row)[0]})")
+        heads, dim = self.k[0].shape[1], self.k[0].shape[2]
+        if tuple(k.shape) != (len(self.k), heads, t, dim) or k.shape != v.shape:
+            raise ValueError(f"K/V of shape {tuple(k.shape)} / {tuple(v.shape)} do not fit this cache "
+                             f"({len(self.k)} layers, {heads} KV heads, head dim {dim})")
+        self.reserve(row, t)
+        phys = self.slot_index(slice(row, row + 1), t)[0]
+        for layer in range(len(self.k)):
+            self.k[layer][phys] = k[layer].transpose(0, 1)
+            self.v[layer][phys] = v[layer].transpose(0, 1)
+        self._set(row, [t])
+
+    def reset(self, rows: Rows | None = None) -> None:
+        host = list(range(self.max_batch)) if rows is None else _host_rows(rows)
+        for r in host:
+            for b in self._blocks[r]:
+                self._drop(b)
+            self._blocks[r] = []
+        self.table[_index(host, self.device)] = 0
+        super().reset(rows)
+
+    # -- compile -------------------------------------------------------------------------------
+    def mark_static_addresses(self) -> "PagedKVCache":
+        super().mark_static_addresses()
+        torch._dynamo.mark_static_address(self.table)
+        return self
+
+    def mark_dynamic(self) -> None:
+        for t in (*self.k, *self.v):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for t in (self.lengths, self.table):
+            if t.shape[0] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(self.table, 1)
+
+    def spare(self, max_len: int) -> "PagedKVCache":
+        rows = list(range(self.max_batch))
+        lengths = self.lengths_of(rows)
+        cache = PagedKVCache(len(self.k), self.max_batch, self.k[0].shape[1], max_len, self.k[0].shape[2],
+                             sum(blocks_for(max_len, self.block_size) for _ in rows), self.block_size,
+                             self.k[0].dtype, self.device)
+        cache.reserve(rows, lengths)
+        cache.advance(rows, lengths)
+        return cache
