@@ -184,6 +184,33 @@ def test_prefix_cache_shares_pool_blocks_by_reference(model):
     assert len(big.output_ids) == 30 and cache.stats().evicted_blocks > 0
 
 
+@pytest.mark.parametrize("kv_blocks", [None, 24])
+def test_exact_reuse_answers_bit_for_bit_as_a_cold_prefill(model, kv_blocks):
+    """Exact reuse: hits cut to whole chunks of the prefill grid, answers' blocks never stored;
+    a prompt sharing 70 tokens with an earlier one reuses 64 (two chunks of 32) and its logits,
+    K/V and answer equal a cold engine's bit for bit."""
+    first = [(3 * i + 1) % 48 for i in range(80)]
+    second = first[:70] + [5, 9, 11, 2]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    def admit(engine):
+        seq = Sequence(prompt_ids=second, params=params)
+        engine.add(seq)
+        kv = engine.cache.read_slots(seq.row, 0, len(second))
+        while engine.num_running:
+            engine.step()
+        return seq, kv
+    want, want_kv = admit(Engine(model, None, max_batch=1, max_len=128, prefill_chunk=32))
+    cache = PrefixCache(1 << 20, block_size=16, exact=True)
+    eng = Engine(model, None, max_batch=1, max_len=128, prefill_chunk=32, prefix_cache=cache, kv_blocks=kv_blocks)
+    eng.run([Sequence(prompt_ids=first, params=params)])
+    assert len(cache) == 5                                     # the prompt's 5 blocks, not the answer's
+    got, got_kv = admit(eng)
+    assert cache.stats().hits == 64 and got.output_ids == want.output_ids
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
+    with pytest.raises(ValueError, match="prefill grid"):
+        Engine(model, None, max_batch=1, max_len=128, prefill_chunk=40, prefix_cache=cache)
+
+
 def test_attach_forgets_another_pools_blocks(model):
     cache = PrefixCache(1 << 20, block_size=16)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -398,7 +398,7 @@ def test_server_flag_and_metrics(llm, chat):
     assert e.value.code == 2
     prompts, refs = chat
     srv = ServerProcess("--max-num-seqs", "2", "--max-model-len", "512", "--prefix-cache-mb", "16",
-                        "--prefix-cache-block-size", "16")
+                        "--prefix-cache-block-size", "16", "--prefix-cache-reuse", "any")
     try:
         srv.wait_ready()
         m0 = srv.metrics()

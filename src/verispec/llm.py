@@ -79,7 +79,7 @@ class LLM:
                  speculative_config: dict | str | SpeculativeConfig | None = None,
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_threads: int | None = None,
                  loaded: LoadedModel | None = None, weights: str = "auto",
-                 prefix_cache_mb: float = 0, prefix_cache_block_size: int = 16,
+                 prefix_cache_mb: float = 0, prefix_cache_block_size: int = 16, prefix_cache_exact: bool = False,
                  device: str | torch.device | None = None, compile: bool = False):
         """``loaded`` lets several LLMs share one loaded target (tests, benchmarks).
         ``device``: where the target, its drafter, the KV caches and every tensor of decoding live:
@@ -98,6 +98,9 @@ class LLM:
         ``prefix_cache_block_size`` tokens) shared by every engine this LLM makes, so a prompt
         repeating an earlier prompt or conversation (system prompt, chat history) prefills only
         what is new; 0 (default) turns it off. Its counters: ``self.prefix_cache.stats()``.
+        ``prefix_cache_exact``: reuse only whole chunks of prefilled prompt blocks, so answers are
+        bit-identical to a cold prefill's (``PrefixCache``, "Exact reuse"); default False: any
+        cached block, chat answers included, where a near-tie token may flip.
         ``compile=True``: decode and verify forwards (and a draft model's, unless its config sets
         ``draft_compile``) through ``torch.compile`` (``models.compiled``:
         fused small ops; compiled once per process, the first steps pay it; ``self.compiled``
@@ -108,7 +111,7 @@ class LLM:
         if isinstance(prefix_cache_block_size, bool) or not isinstance(prefix_cache_block_size, int) or \
                 prefix_cache_block_size < 1:
             raise ValueError(f"prefix_cache_block_size must be an int >= 1, got {prefix_cache_block_size!r}")
-        self.prefix_cache = PrefixCache.from_mib(prefix_cache_mb, prefix_cache_block_size) \
+        self.prefix_cache = PrefixCache.from_mib(prefix_cache_mb, prefix_cache_block_size, prefix_cache_exact) \
             if prefix_cache_mb > 0 else None
         if num_threads:
             torch.set_num_threads(num_threads)

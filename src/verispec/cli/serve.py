@@ -104,6 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and freed when it runs short, and this bounds the drafter features stored beside "
                         "them; with --no-paged-kv it bounds copied K/V and features. 0: off (default: "
                         f"{DEFAULT_PREFIX_MB:g})")
+    p.add_argument("--prefix-cache-reuse", choices=("exact", "any"), default="exact",
+                   help="exact (default): reuse whole 512-token chunks of prefilled prompts only (long shared "
+                        "system prompts, documents), every answer bit-identical to a cold prefill's; any: every "
+                        "cached block, a chat's earlier answers too, where a near-tie token may differ")
     p.add_argument("--prefix-cache-block-size", type=_positive_int, default=16, metavar="TOKENS",
                    help="tokens per prefix-cache block; only whole blocks are reused (default: 16)")
     p.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16")
@@ -206,6 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm = LLM(args.model, dtype=args.dtype, weights=args.weights, speculative_config=spec, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, num_threads=args.num_threads,
                   prefix_cache_mb=prefix_mb, prefix_cache_block_size=args.prefix_cache_block_size,
+                  prefix_cache_exact=args.prefix_cache_reuse == "exact",
                   device=args.device, compile=args.compile)
     except Exception as e:          # noqa: BLE001 - any loading failure ends the command
         print(f"verispec serve: cannot load {args.model!r}: {e}", file=sys.stderr)

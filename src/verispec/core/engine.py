@@ -148,6 +148,9 @@ class Engine:
                                           tuple(sorted(layers)), want_last))
             if self.cache.paged:
                 prefix_cache.attach(self.cache)
+            if prefix_cache.exact and prefill_chunk % prefix_cache.block_size:
+                raise ValueError(f"exact prefix reuse needs a prefill grid of whole {prefix_cache.block_size}-token "
+                                 f"blocks, got prefill_chunk {prefill_chunk}")
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -319,7 +322,8 @@ class Engine:
         """Copy the cached blocks at the start of ``seq``'s prompt into its (empty) row."""
         if self._prefix_cache is None or seq.params.prompt_logprobs is not None:
             return PrefixHit(0)
-        hit = self._prefix_cache.lookup(seq.prompt_ids)
+        exact = self._prefix_cache.exact              # whole chunks of the prefill grid only
+        hit = self._prefix_cache.lookup(seq.prompt_ids, granule=self.prefill_chunk if exact else None)
         if hit.blocks:                                   # a paged pool's blocks, shared
             self.cache.share(seq.row, hit.blocks, hit.num_tokens)
             hit = replace(hit, features=features_to(hit.features, self.device))
@@ -345,7 +349,7 @@ class Engine:
         """At retirement, before the row is reset: the blocks of the committed tokens. Only slots
         ``[0, min(cache length, len(prompt + output)))`` are the sequence's (after a stop the cache
         may hold accepted tokens past the cut output)."""
-        if self._prefix_cache is None:
+        if self._prefix_cache is None or self._prefix_cache.exact:       # exact: prefilled blocks only
             return
         tokens = seq.prompt_ids + seq.output_ids
         valid = min(self.cache.lengths_of([seq.row])[0], len(tokens))

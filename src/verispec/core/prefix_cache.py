@@ -29,6 +29,14 @@ Contract
 - Thread-safe: one lock around the index (``LLM.generate`` calls on threads share the cache).
 - Device: blocks are copied out of the engine's cache, so they live on its device (GPU memory on
   CUDA, counted in ``budget_bytes`` all the same); a hit is copied into a row on that device.
+- Exact reuse (``exact=True``, the server's default): a hit's rest is prefilled from the hit on,
+  so its sums run in another order than a cold prefill's, and a near-tie token can flip (on
+  Spec-Bench answers of SmolLM2 int4, 11 of 99 did). With ``exact`` the engine cuts hits to
+  whole chunks of its prefill grid (``Engine.prefill_chunk``) and stores only the blocks a
+  prefill computed (a prompt's, not an answer's decoded tokens): the rest of a prompt is then
+  prefilled in the very chunks a cold prefill runs, over bit-identical K/V, and every answer is
+  bit-identical to the cache-off server's. It reuses long shared prefixes (system prompts,
+  documents, few-shot examples of 512 tokens and more), not a chat's earlier answers.
 - Shared blocks (an engine on a ``PagedKVCache``, the server's): ``attach(pool)`` makes the cache
   keep references to the pool's blocks instead of copies. ``insert`` takes one more reference to
   each new block of the row; ``lookup`` returns the block ids (``PrefixHit.blocks``), which the
@@ -155,15 +163,17 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, block_size: int = 16):
+    def __init__(self, budget_bytes: int, block_size: int = 16, exact: bool = False):
         """``budget_bytes``: the most bytes of K/V and features held (> 0); ``block_size``: tokens
-        per block (>= 1; smaller blocks match more of a prompt, cost more hashing and copies)."""
+        per block (>= 1; smaller blocks match more of a prompt, cost more hashing and copies).
+        ``exact``: answers bit-identical to a cold prefill's (see "Exact reuse" above)."""
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"prefix cache budget must be a positive number of bytes, got {budget_bytes!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"prefix cache block size must be an int >= 1, got {block_size!r}")
         self.budget_bytes = budget_bytes
         self.block_size = block_size
+        self.exact = exact
         self.layout: CacheLayout | None = None
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()     # least recently used first
         self._stats = PrefixCacheStats()
@@ -172,11 +182,11 @@ class PrefixCache:
         self._budgeted = 0                                            # bytes counted against the budget
 
     @classmethod
-    def from_mib(cls, mib: float, block_size: int = 16) -> "PrefixCache":
+    def from_mib(cls, mib: float, block_size: int = 16, exact: bool = False) -> "PrefixCache":
         """A cache of ``mib`` MiB (2**20 bytes)."""
         if not isinstance(mib, (int, float)) or isinstance(mib, bool) or not mib > 0 or mib == float("inf"):
             raise ValueError(f"prefix cache size must be a positive number of MiB, got {mib!r}")
-        return cls(max(1, int(mib * MIB)), block_size)
+        return cls(max(1, int(mib * MIB)), block_size, exact)
 
     def bind(self, layout: CacheLayout) -> None:
         """Fix the layout of the blocks (first call); a different layout later is a ValueError."""
@@ -245,9 +255,12 @@ class PrefixCache:
             self._forget()
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, prompt: list[int]) -> PrefixHit:
-        """The cached whole blocks at the start of ``prompt`` (at most len - 1 tokens)."""
+    def lookup(self, prompt: list[int], granule: int | None = None) -> PrefixHit:
+        """The cached whole blocks at the start of ``prompt`` (at most len - 1 tokens), cut to a
+        multiple of ``granule`` tokens when given (a multiple of the block size)."""
         bs = self.block_size
+        if granule is not None and (granule < bs or granule % bs):
+            raise ValueError(f"a hit granule of {granule} tokens is not a multiple of the {bs}-token blocks")
         usable = (len(prompt) - 1) // bs * bs if prompt else 0
         with self._lock:
             found = []
@@ -256,6 +269,8 @@ class PrefixCache:
                 if block is None or block.tokens != tuple(prompt[i * bs:(i + 1) * bs]):
                     break
                 found.append(block)
+            if granule is not None:
+                found = found[:len(found) * bs // granule * granule // bs]
             for block in found:                  # root first: a parent is never more recent than its child
                 self._blocks.move_to_end(block.key)
             self._stats.queries += len(prompt)
