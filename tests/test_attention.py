@@ -119,14 +119,16 @@ def test_the_avx2_path_agrees_too():
 
 
 def _paged(k, v, block=8, seed=5):
-    """k, v [B, KVH, S, D] scattered into pools [P, KVH, D] through a shuffled block table."""
+    """k, v [B, KVH, S, D] scattered into pools [blocks, KVH, block, D] through a shuffled table."""
     b, kvh, s, d = k.shape
     per = -(-s // block)
     order = torch.randperm(b * per, generator=torch.Generator().manual_seed(seed)) + 1      # block 0: null
     table = order.reshape(b, per)
-    pool_k, pool_v = (torch.full(((b * per + 1) * block, kvh, d), float("nan")) for _ in range(2))
-    phys = (table[:, :, None] * block + torch.arange(block)).flatten(1)[:, :s]             # [B, S]
-    pool_k[phys], pool_v[phys] = k.transpose(1, 2), v.transpose(1, 2)
+    pool_k, pool_v = (torch.full((b * per + 1, kvh, block, d), float("nan")) for _ in range(2))
+    slot = torch.arange(s)
+    for r in range(b):
+        pool_k[table[r, slot // block], :, slot % block] = k[r].transpose(0, 1)
+        pool_v[table[r, slot // block], :, slot % block] = v[r].transpose(0, 1)
     return pool_k, pool_v, table, block.bit_length() - 1
 
 

@@ -10,7 +10,7 @@ import torch
 from helpers import tiny_llama
 from verispec import SamplingParams
 from verispec.core.engine import Engine, Sequence
-from verispec.core.kv_budget import KVBudget, pool_blocks
+from verispec.core.kv_budget import KVBudget, PagedKV, pool_blocks
 from verispec.core.prefix_cache import CacheLayout, PrefixCache
 from verispec.core.tree import DraftTree
 from verispec.drafting.draft_model import DraftModelDrafter
@@ -148,7 +148,7 @@ def test_engine_on_a_small_pool_equals_static_rows(model, speculative):
         return DraftModelDrafter(tiny_llama(48, 32, 1, seed=3), max_batch=3, max_len=128,
                                  num_speculative_tokens=3) if speculative else None
     want, _, _ = _run(model, prompts, budgets, drafter())
-    got, eng, peak = _run(model, prompts, budgets, drafter(), kv_blocks=6, block_size=16)
+    got, eng, peak = _run(model, prompts, budgets, drafter(), kv=PagedKV(6, 16))
     assert got == want
     assert 0 < peak <= 6 and eng.cache.num_used_blocks == 0 and eng.kv.committed_blocks == 0
     with pytest.raises(ValueError, match="does not fit the KV pool"):
@@ -164,7 +164,7 @@ def test_prefix_cache_shares_pool_blocks_by_reference(model):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     want = Engine(model, None, max_batch=2, max_len=96).run([Sequence(prompt_ids=prompt + [7], params=params)])
     cache = PrefixCache(1 << 20, block_size=16)
-    eng = Engine(model, None, max_batch=2, max_len=96, prefix_cache=cache, kv_blocks=8, block_size=16)
+    eng = Engine(model, None, max_batch=2, max_len=96, prefix_cache=cache, kv=PagedKV(8, 16))
     eng.run([Sequence(prompt_ids=prompt, params=params)])
     assert cache.attached and len(cache) == 3                  # 50 committed slots: 3 whole blocks
     held = eng.cache.num_used_blocks
@@ -201,7 +201,8 @@ def test_exact_reuse_answers_bit_for_bit_as_a_cold_prefill(model, kv_blocks):
         return seq, kv
     want, want_kv = admit(Engine(model, None, max_batch=1, max_len=128, prefill_chunk=32))
     cache = PrefixCache(1 << 20, block_size=16, exact=True)
-    eng = Engine(model, None, max_batch=1, max_len=128, prefill_chunk=32, prefix_cache=cache, kv_blocks=kv_blocks)
+    eng = Engine(model, None, max_batch=1, max_len=128, prefill_chunk=32, prefix_cache=cache,
+                 kv=None if kv_blocks is None else PagedKV(kv_blocks, 16))
     eng.run([Sequence(prompt_ids=first, params=params)])
     assert len(cache) == 5                                     # the prompt's 5 blocks, not the answer's
     got, got_kv = admit(eng)
@@ -214,13 +215,14 @@ def test_exact_reuse_answers_bit_for_bit_as_a_cold_prefill(model, kv_blocks):
 def test_attach_forgets_another_pools_blocks(model):
     cache = PrefixCache(1 << 20, block_size=16)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    Engine(model, None, max_batch=1, max_len=64, prefix_cache=cache, kv_blocks=8).run(
+    Engine(model, None, max_batch=1, max_len=64, prefix_cache=cache, kv=PagedKV(8, 16)).run(
         [Sequence(prompt_ids=list(range(40)), params=params)])
     assert len(cache) > 0
-    Engine(model, None, max_batch=1, max_len=64, prefix_cache=cache, kv_blocks=8)
+    Engine(model, None, max_batch=1, max_len=64, prefix_cache=cache, kv=PagedKV(8, 16))
     assert len(cache) == 0
     with pytest.raises(ValueError, match="cannot share a KV pool"):
-        PrefixCache(1 << 20, block_size=8).attach(PagedKVCache.for_model(model.cfg, 1, 64, num_blocks=4))
+        PrefixCache(1 << 20, block_size=8).attach(PagedKVCache.for_model(model.cfg, 1, 64, num_blocks=4,
+                                                                          block_size=16))
     layout = CacheLayout(model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim, torch.float32)
     assert cache.layout == layout
 
@@ -228,9 +230,33 @@ def test_attach_forgets_another_pools_blocks(model):
 def test_pool_sizing(model):
     cfg = model.cfg
     per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
-    assert pool_blocks(cfg, torch.float32, None, 4, 100) == 4 * 7
-    assert pool_blocks(cfg, torch.float32, 10 * per_block / (1 << 20), 4, 100) == 10
+    assert pool_blocks(cfg, torch.float32, None, 4, 100, 16) == 4 * 7
+    assert pool_blocks(cfg, torch.float32, 10 * per_block / (1 << 20), 4, 100, 16) == 10
     with pytest.raises(ValueError, match="less than one sequence"):
-        pool_blocks(cfg, torch.float32, 3 * per_block / (1 << 20), 4, 100)
+        pool_blocks(cfg, torch.float32, 3 * per_block / (1 << 20), 4, 100, 16)
     budget = KVBudget(KVCache.for_model(cfg, 1, 32), slack=4)
     assert budget.fits(10 ** 6) and budget.holds(10 ** 6)      # static rows: their slots exist
+
+
+def test_server_flags_size_the_pool(model):
+    """``verispec serve``: the default pool holds max-num-seqs x max-model-len and commits memory
+    as used; ``--kv-cache-mb`` sizes it and commits it at start; too small for one sequence, or
+    set with ``--no-paged-kv``, is refused."""
+    import argparse
+    from types import SimpleNamespace
+    from verispec.cli import serve as cli
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    llm = SimpleNamespace(target=SimpleNamespace(model=model), max_model_len=200)
+    kv = cli._paged_kv(p.parse_args(["--max-num-seqs", "4"]), llm)
+    assert kv == PagedKV(4 * 5, 64, preallocate=False)                 # 264 slots a row: 5 blocks
+    per_mib = PagedKVCache.blocks_in_budget(model.cfg, 1 << 20, torch.float32)
+    kv = cli._paged_kv(p.parse_args(["--kv-cache-mb", str(10 / per_mib)]), llm)
+    assert kv == PagedKV(10, 64, preallocate=True)
+    with pytest.raises(ValueError, match="less than one sequence"):
+        cli._paged_kv(p.parse_args(["--kv-cache-mb", str(2 / per_mib)]), llm)
+    with pytest.raises(ValueError, match="--no-paged-kv"):
+        cli._paged_kv(p.parse_args(["--no-paged-kv", "--kv-cache-mb", "64"]), llm)
+    assert cli._paged_kv(p.parse_args(["--no-paged-kv"]), llm) is None
+    pool = PagedKVCache.for_model(model.cfg, 1, 64, num_blocks=3, preallocate=True)
+    assert all(bool((t == 0).all()) for t in (*pool.k, *pool.v))

@@ -881,14 +881,15 @@ def test_request_timeout_and_queue_full(llm):
 
 
 def test_paged_kv_pool_queues_requests_until_blocks_free(llm):
-    """A pool of 5 blocks of 16 slots holds one request of 48 slots at a time: four concurrent
+    """A pool of one block of 64 slots holds one request of 45 slots at a time: four concurrent
     requests on four rows run one after another, each answers as ``LLM.generate``, the gauges
     show the pool, and every block comes back."""
     body = {"model": MODEL, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     prompts = ["The sky is", "Once upon a time", "My favourite food is", "Water boils at"]
-    with InProcessServer(llm, max_num_seqs=4, kv_blocks=5) as srv:
+    from verispec.core.kv_budget import PagedKV
+    with InProcessServer(llm, max_num_seqs=4, kv=PagedKV(1)) as srv:
         eng = srv.scheduler.engine
-        assert eng.cache.paged and eng.cache.num_blocks == 5
+        assert eng.cache.paged and eng.cache.num_blocks == 1
         peak = []
         real_step = eng.step
 
@@ -900,10 +901,10 @@ def test_paged_kv_pool_queues_requests_until_blocks_free(llm):
             answers = list(pool.map(lambda p: srv.post(dict(body, prompt=p)), prompts))
         assert [a.json()["choices"][0]["text"] for a in answers] == \
             [_ref(llm, p, 40, ignore_eos=True).text for p in prompts]
-        assert max(n for n, _ in peak) == 1 and max(b for _, b in peak) <= 5
+        assert max(n for n, _ in peak) == 1 and max(b for _, b in peak) == 1
         assert eng.cache.num_used_blocks == 0 and eng.kv.committed_blocks == 0
         m = httpx.get(srv.url + "/metrics").text
-        assert "verispec:kv_cache_blocks_total 5.0" in m and "verispec:kv_cache_usage_perc 0.0" in m
+        assert "verispec:kv_cache_blocks_total 1.0" in m and "verispec:kv_cache_usage_perc 0.0" in m
         too_big = srv.post(dict(body, prompt="The sky is", max_tokens=200))
         assert too_big.status_code == 400 and "KV" in too_big.json()["error"]["message"]
 

@@ -14,7 +14,7 @@ import os
 import sys
 
 from ..models.device import add_device_argument, add_weights_argument
-from ..core.kv_budget import pool_blocks
+from ..core.kv_budget import PagedKV, pool_blocks
 from ..models.paged_kv import BLOCK_SIZE
 from ..serve.scheduler import DEFAULT_PREFILL_CHUNK, MIN_PREFILL_CHUNK
 
@@ -108,8 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="exact (default): reuse whole 512-token chunks of prefilled prompts only (long shared "
                         "system prompts, documents), every answer bit-identical to a cold prefill's; any: every "
                         "cached block, a chat's earlier answers too, where a near-tie token may differ")
-    p.add_argument("--prefix-cache-block-size", type=_positive_int, default=16, metavar="TOKENS",
-                   help="tokens per prefix-cache block; only whole blocks are reused (default: 16)")
+    p.add_argument("--prefix-cache-block-size", type=_positive_int, default=None, metavar="TOKENS",
+                   help="tokens per prefix-cache block; only whole blocks are reused (default: the paged KV "
+                        f"cache's {BLOCK_SIZE}-slot blocks, which it shares; 16 with --no-paged-kv)")
     p.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16")
     add_weights_argument(p)
     add_device_argument(p)
@@ -206,17 +207,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"verispec serve: {e}", file=sys.stderr)
         return 2
     prefix_mb = DEFAULT_PREFIX_MB if args.prefix_cache_mb is None else args.prefix_cache_mb
+    prefix_block = args.prefix_cache_block_size or (BLOCK_SIZE if args.paged_kv else 16)
+    if args.paged_kv and prefix_block != BLOCK_SIZE and prefix_mb:
+        print(f"verispec serve: the prefix cache shares the paged KV cache's {BLOCK_SIZE}-slot blocks; "
+              "drop --prefix-cache-block-size or use --no-paged-kv", file=sys.stderr)
+        return 2
     try:
         llm = LLM(args.model, dtype=args.dtype, weights=args.weights, speculative_config=spec, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, num_threads=args.num_threads,
-                  prefix_cache_mb=prefix_mb, prefix_cache_block_size=args.prefix_cache_block_size,
+                  prefix_cache_mb=prefix_mb, prefix_cache_block_size=prefix_block,
                   prefix_cache_exact=args.prefix_cache_reuse == "exact",
                   device=args.device, compile=args.compile)
     except Exception as e:          # noqa: BLE001 - any loading failure ends the command
         print(f"verispec serve: cannot load {args.model!r}: {e}", file=sys.stderr)
         return 1
     try:
-        kv_blocks = _kv_blocks(args, llm)
+        kv = _paged_kv(args, llm)
     except ValueError as e:
         print(f"verispec serve: {e}", file=sys.stderr)
         return 2
@@ -225,7 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_queue=args.max_queue, request_timeout=args.request_timeout,
                       response_cache=args.response_cache, policy=policy, shutdown_grace_s=args.shutdown_grace,
                       prompt_denylist=denylist, audit_log=args.audit_log, audit_log_prompts=args.audit_log_prompts,
-                      warmup=True, prefill_chunk=args.prefill_chunk or None, kv_blocks=kv_blocks)
+                      warmup=True, prefill_chunk=args.prefill_chunk or None, kv=kv)
     from ..serve.drain import DrainingServer
     app = create_app(llm, cfg)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -236,21 +242,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "speculation=%s, policy=%s, prefix_cache_mb=%g, kv=%s); /ready after the warm-up", args.model, args.host,
         args.port, llm.device, llm.target.weights.value, args.compile, args.max_num_seqs, llm.max_model_len,
         llm.spec.as_dict() if llm.spec else None, type(policy).__name__ if policy else "estimator", prefix_mb,
-        f"paged, {kv_blocks} blocks of {BLOCK_SIZE}" if kv_blocks else "static rows")
+        f"paged, {kv.blocks} blocks of {kv.block_size}" if kv else "static rows")
     server.run()
     return 0 if server.started else 1
 
 
-def _kv_blocks(args, llm) -> int | None:
-    """The paged pool's blocks (None: static rows), sized by ``--kv-cache-mb``; the pool must hold
-    one sequence of max-model-len tokens plus the drafter's slack."""
+def _paged_kv(args, llm) -> PagedKV | None:
+    """The paged pool (None: static rows), sized by ``--kv-cache-mb`` and then committed at start,
+    else sized for max-num-seqs x max-model-len and committed as used; it must hold one sequence of
+    max-model-len tokens plus the drafter's slack."""
     if not args.paged_kv:
         if args.kv_cache_mb is not None:
             raise ValueError("--kv-cache-mb sizes the paged KV cache: drop it or --no-paged-kv")
         return None
     model = llm.target.model
-    return pool_blocks(model.cfg, next(model.parameters()).dtype, args.kv_cache_mb, args.max_num_seqs,
-                       llm.max_model_len + KV_SLACK)
+    blocks = pool_blocks(model.cfg, next(model.parameters()).dtype, args.kv_cache_mb, args.max_num_seqs,
+                         llm.max_model_len + KV_SLACK)
+    return PagedKV(blocks, BLOCK_SIZE, preallocate=args.kv_cache_mb is not None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """The speculative decoding loop, for a batch of sequences in rows of one KV cache (static rows,
-or a paged pool: ``kv_blocks``).
+or a paged pool: ``kv``).
 
     prefill ──► [ propose ──► verify ──► accept ──► emit ] ──► done
 
@@ -40,8 +40,7 @@ from .features import TargetFeatures, join_features
 from .logits import LogitsPipeline, TokenConstraint
 from .logprobs import TokenLogprob, token_logprobs
 from .metrics import SpecStats
-from .kv_budget import KVBudget, make_cache
-from ..models.paged_kv import BLOCK_SIZE
+from .kv_budget import KVBudget, PagedKV, make_cache
 from ..models.transformer import Transformer
 from .params import SamplingParams
 from .prefill import PrefillJob, chunked_prefill, run_all
@@ -99,8 +98,7 @@ class Engine:
                  max_len: int, eos_token_ids: tuple[int, ...] = (), max_context: int | None = None,
                  acceptance: AcceptanceRule = LOSSLESS, prefix_cache: PrefixCache | None = None,
                  device: str | torch.device | None = None, forward=None, gate: DraftGate | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, kv_blocks: int | None = None,
-                 block_size: int = BLOCK_SIZE):
+                 prefill_chunk: int = PREFILL_CHUNK, kv: PagedKV | None = None):
         """``max_len``: cache slots per row (prompt + output + tree slack). ``max_context``: the
         model's usable context; generation stops with reason "length" when it is reached.
         ``acceptance``: the rule that decides which draft tokens are kept (lossless default).
@@ -113,9 +111,9 @@ class Engine:
         the same numbers, so engines that must agree token for token share it).
         ``gate``: how many draft nodes each sequence gets each step (``draft_gate.DraftGate``:
         adaptive drafting; default: the drafter's whole tree).
-        ``kv_blocks``: a paged KV cache of that many blocks of ``block_size`` slots, shared by the
-        rows (``max_len`` then bounds one row); admission books each sequence's worst case
-        (``kv_budget``). None: static rows of ``max_len`` slots."""
+        ``kv``: a paged KV pool shared by the rows (``kv_budget.PagedKV``; ``max_len`` then bounds
+        one row); admission books each sequence's worst case (``kv_budget``). None: static rows of
+        ``max_len`` slots."""
         if not isinstance(acceptance, AcceptanceRule):
             raise TypeError(f"acceptance must be an AcceptanceRule (name, lossy, __call__), got {acceptance!r}")
         self.model = model
@@ -128,7 +126,7 @@ class Engine:
         dtype, self.device = first.dtype, first.device
         if device is not None and not same_device(torch.device(device), self.device):
             raise ValueError(f"engine device {device} differs from the model's {self.device}")
-        self.cache = make_cache(model.cfg, max_batch, max_len, dtype, self.device, kv_blocks, block_size)
+        self.cache = make_cache(model.cfg, max_batch, max_len, dtype, self.device, kv)
         self.kv = KVBudget(self.cache, self.max_tree_nodes + 1)
         self.eos = set(eos_token_ids)
         self.max_context = min(max_context or max_len, max_len - 1 - self.max_tree_nodes)
@@ -520,6 +518,7 @@ class Engine:
                                device=self.cache.device, vocab=self.model.cfg.vocab_size)
         t = int(batch.tokens.shape[1])
         layers, _ = self._feature_request()
+        self.cache.reserve(rows, t)                  # a paged cache's blocks, for the real rows only
         kv_len = self.cache.kv_len(rows, t)
         lengths = self.cache.lengths_of(range(max(rows) + 1))
         if self._forward is not self.model and ghost_rows(rows, lengths, t, kv_len):

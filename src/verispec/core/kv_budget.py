@@ -2,9 +2,12 @@
 slots it may ever use, so a running sequence never finds the pool full.
 
 Contract
-- ``make_cache(cfg, max_batch, max_len, dtype, device, kv_blocks, block_size)``: a
-  ``PagedKVCache`` of ``kv_blocks`` blocks (memory grows with the tokens in use, up to that
-  many), or static rows (``KVCache``) when ``kv_blocks`` is None.
+- ``PagedKV(blocks, block_size, preallocate)``: a paged pool's settings. ``make_cache(cfg,
+  max_batch, max_len, dtype, device, kv)``: a ``PagedKVCache`` of ``kv.blocks`` blocks, or static
+  rows (``KVCache``) when ``kv`` is None. Without ``preallocate`` the host commits a block's pages
+  when it is first used (memory follows the tokens in use); with it, the whole pool at once
+  (``PagedKVCache``: decode steps ran 5-10% faster at 8-32 rows of 400 tokens on a pre-touched
+  pool, whose pages lie together, than on pages committed block by block).
 - ``KVBudget(cache, slack)``: ``worst(prompt, max_tokens, max_context)`` is the slots a sequence
   may use at most: its prompt, its output (``max_tokens``, or up to ``max_context``) and ``slack``
   (a verify step's scratch slots: the drafter's largest tree and its root). ``fits(tokens)``:
@@ -19,18 +22,28 @@ Contract
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..models.kv_cache import KVCache
 from ..models.paged_kv import BLOCK_SIZE, KVPoolFullError, PagedKVCache, blocks_for
 
 
+@dataclass(frozen=True)
+class PagedKV:
+    """A paged KV pool: ``blocks`` of ``block_size`` slots; ``preallocate``: commit its memory now."""
+    blocks: int
+    block_size: int = BLOCK_SIZE
+    preallocate: bool = False
+
+
 def make_cache(cfg, max_batch: int, max_len: int, dtype: torch.dtype, device: torch.device,
-               kv_blocks: int | None = None, block_size: int = BLOCK_SIZE) -> KVCache:
-    if kv_blocks is None:
+               kv: PagedKV | None = None) -> KVCache:
+    if kv is None:
         return KVCache.for_model(cfg, max_batch, max_len, dtype, device=device)
-    return PagedKVCache.for_model(cfg, max_batch, max_len, dtype, device, num_blocks=kv_blocks,
-                                  block_size=block_size)
+    return PagedKVCache.for_model(cfg, max_batch, max_len, dtype, device, num_blocks=kv.blocks,
+                                  block_size=kv.block_size, preallocate=kv.preallocate)
 
 
 def pool_blocks(cfg, dtype: torch.dtype, kv_cache_mb: float | None, max_num_seqs: int, max_len: int,
@@ -93,4 +106,4 @@ class KVBudget:
         return not self.paged or self._blocks(tokens) <= self.cache.num_blocks
 
 
-__all__ = ["KVBudget", "make_cache", "PagedKVCache", "KVPoolFullError"]
+__all__ = ["KVBudget", "PagedKV", "make_cache", "PagedKVCache", "KVPoolFullError"]

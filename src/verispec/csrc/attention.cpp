@@ -24,7 +24,7 @@
 // mask [B, 1 or H, T, S] bool (any strides); H a multiple of KVH (grouped-query attention), D a
 // multiple of 16. Output [B, H, T, D] float32, a transposed view of a contiguous [B, T, H, D]
 // (so out.transpose(1, 2).reshape(B, T, H * D) makes no copy).
-// paged_attention: the same rows over K/V pools of a paged cache ([P, KVH, D] physical slots) and
+// paged_attention: the same rows over K/V pools of a paged cache ([blocks, KVH, bs, D]) and
 // a block table per batch row; slot j maps to a physical slot, then everything above is unchanged.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -105,21 +105,29 @@ struct Row {
   float* out;                         // [D]
   int64_t d, s, ks, vs, ms;
   float scale;
-  const int64_t* table = nullptr;     // paged: slot j lives at physical slot table[j >> shift] << shift | (j & mask)
-  int64_t shift = 0;
+  const int64_t* table = nullptr;     // paged: slot j lives at element offset
+  int64_t shift = 0;                  //   table[j >> shift] * bstride + (j & (2^shift - 1)) * sstride (ks = vs = 1)
+  int64_t bstride = 0, sstride = 0;
 };
 
 // Scores of the visible slots, compacted (slot order) into sc[0..n), padded with -inf to a
-// multiple of 16; their slot numbers (physical slots of the pool when paged) into idx[0..n). Returns n.
+// multiple of 16; their slot numbers (element offsets in the pool when paged) into idx[0..n). Returns n.
 template <typename Dot>
 int64_t scores(const Row& r, float* sc, int64_t* idx, Dot dot) {
   int64_t n = 0;
-  for (int64_t j = 0; j < r.s; ++j) {
-    if (r.mask[j * r.ms]) idx[n++] = j;
-  }
-  if (r.table != nullptr) {                     // paged: slot number -> physical slot of the pool
-    const int64_t low = (int64_t{1} << r.shift) - 1;
-    for (int64_t i = 0; i < n; ++i) idx[i] = (r.table[idx[i] >> r.shift] << r.shift) | (idx[i] & low);
+  if (r.table == nullptr) {
+    for (int64_t j = 0; j < r.s; ++j) {
+      if (r.mask[j * r.ms]) idx[n++] = j;
+    }
+  } else {                                      // paged: one table read a block, in the same scan
+    const int64_t bs = int64_t{1} << r.shift;
+    for (int64_t j0 = 0, blk = 0; j0 < r.s; j0 += bs, ++blk) {
+      const int64_t end = std::min(bs, r.s - j0);
+      int64_t off = r.table[blk] * r.bstride;
+      for (int64_t o = 0; o < end; ++o, off += r.sstride) {
+        if (r.mask[(j0 + o) * r.ms]) idx[n++] = off;
+      }
+    }
   }
   for (int64_t i = 0; i < n; ++i) sc[i] = dot(r.q, r.k + idx[i] * r.ks, r.d) * r.scale;
   for (int64_t j = n; j < (n + 15) / 16 * 16; ++j) sc[j] = -std::numeric_limits<float>::infinity();
@@ -237,7 +245,8 @@ void check_q_mask(const at::Tensor& q, const at::Tensor& mask, int64_t s) {
 // block table's mapping when ``table`` is given).
 at::Tensor run_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                     double scale, int64_t max_threads, int64_t kvh, int64_t s, const int64_t kstr[3],
-                    const int64_t vstr[3], const int64_t* table, int64_t table_stride, int64_t shift) {
+                    const int64_t vstr[3], const int64_t* table, int64_t table_stride, int64_t shift,
+                    int64_t bstride = 0, int64_t sstride = 0) {
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
   TORCH_CHECK(kvh > 0 && h % kvh == 0, "attention: ", h, " query heads are not a multiple of ", kvh, " kv heads");
   auto out = at::empty({b, t, h, d}, q.options());
@@ -260,7 +269,8 @@ at::Tensor run_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             kp + bi * kstr[0] + kh * kstr[1], vp + bi * vstr[0] + kh * vstr[1],
             mp + bi * mask.stride(0) + mh * mask.stride(1) + ti * mask.stride(2),
             op + ((bi * t + ti) * h + hi) * d, d, s, kstr[2], vstr[2], mask.stride(3),
-            static_cast<float>(scale), table == nullptr ? nullptr : table + bi * table_stride, shift};
+            static_cast<float>(scale), table == nullptr ? nullptr : table + bi * table_stride, shift, bstride,
+            sstride};
       if (wide) row512(r, sc.data(), slots.data()); else row256(r, sc.data(), slots.data());
     }
   };
@@ -291,28 +301,31 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return run_rows(q, k, v, mask, scale, max_threads, kvh, s, ks, vs, nullptr, 0, 0);
 }
 
-// Paged: k and v are pools [P, KVH, D] of physical slots (P = blocks x block size, last dim
-// contiguous); table [B, MB] int64 maps slot j of batch row b to block table[b][j / bs], slot
-// j % bs of it (bs = 2^shift); the mask's S <= MB * bs slots are attended. The same instructions
-// as ``attention`` over the same keys in the same order: bit-identical results.
+// Paged: k and v are pools [blocks, KVH, bs, D] (bs = 2^shift slots a block, the same strides,
+// last dim contiguous: a block's keys of one head lie together); table [B, MB] int64 maps slot j
+// of batch row b to block table[b][j / bs], slot j % bs of it; the mask's S <= MB * bs slots are
+// attended. The same instructions as ``attention`` over the same keys in the same order:
+// bit-identical results.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                            const at::Tensor& mask, double scale, int64_t shift, int64_t max_threads) {
   TORCH_CHECK(detect() != Isa::None, "attention: this CPU has neither AVX2 nor AVX-512");
   for (const auto* x : {&k, &v}) {
-    TORCH_CHECK(x->scalar_type() == at::kFloat && x->device().is_cpu() && x->dim() == 3 && x->stride(2) == 1,
-                "paged_attention: k, v must be float32 CPU pools [slots, KVH, D] with a contiguous last dim");
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->device().is_cpu() && x->dim() == 4 && x->stride(3) == 1,
+                "paged_attention: k, v must be float32 CPU pools [blocks, KVH, block size, D] with a contiguous "
+                "last dim");
   }
   const int64_t b = q.size(0), d = q.size(3), kvh = k.size(1), s = mask.size(3);
-  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == d, "paged_attention: pools ", k.sizes(), " and ",
-              v.sizes(), " do not match head dimension ", d);
-  TORCH_CHECK(shift >= 0 && shift < 16, "paged_attention: block size 2^", shift, " out of range");
+  TORCH_CHECK(shift >= 0 && shift < 16 && k.size(2) == (int64_t{1} << shift), "paged_attention: block size 2^",
+              shift, " does not match pools ", k.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes() && v.strides() == k.strides() && k.size(3) == d, "paged_attention: pools ",
+              k.sizes(), " and ", v.sizes(), " must have the same layout and head dimension ", d);
   TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(0) == b && table.stride(1) == 1 &&
               (table.size(1) << shift) >= s, "paged_attention: table ", table.sizes(), " must be int64 [", b,
               ", >= ", s, " slots / block] with a contiguous last dim");
   check_q_mask(q, mask, s);
-  const int64_t ks[3] = {0, k.stride(1), k.stride(0)}, vs[3] = {0, v.stride(1), v.stride(0)};
+  const int64_t ks[3] = {0, k.stride(1), 1}, vs[3] = {0, v.stride(1), 1};     // offsets come from the table
   return run_rows(q, k, v, mask, scale, max_threads, kvh, s, ks, vs, table.data_ptr<int64_t>(), table.stride(0),
-                  shift);
+                  shift, k.stride(0), k.stride(2));
 }
 
 }  // namespace
@@ -331,6 +344,6 @@ TORCH_LIBRARY_IMPL(verispec_attn, CPU, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attention", &attention, "row-invariant attention of q [B,H,T,D] over k, v [B,KVH,S,D] under a bool mask");
-  mod.def("paged_attention", &paged_attention, "attention over K/V pools [P,KVH,D] through a block table");
+  mod.def("paged_attention", &paged_attention, "attention over K/V pools [blocks,KVH,bs,D] through a block table");
   mod.def("isa", &isa_name, "the path this CPU runs: avx512, avx2 or none");
 }

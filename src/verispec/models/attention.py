@@ -103,18 +103,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, used: int,
                  mask: torch.Tensor | None, scale: float | None, softcap: float | None, shift: int) -> torch.Tensor:
-    """``attend`` over the first ``used`` slots of a paged cache's rows: pools ``[P, KVH, D]`` of
-    physical slots, ``table [B, blocks]`` (slot j at block ``table[b, j >> shift]``). The
+    """``attend`` over the first ``used`` slots of a paged cache's rows: pools ``[blocks, KVH,
+    block_size, D]``, ``table [B, blocks]`` (slot j at block ``table[b, j >> shift]``). The
     row-invariant op reads the pool in place (bit-identical to ``attend`` on the same K/V in
     static rows); other paths gather the slots, then ``attend``."""
     if not softcap and uses_op(q, mask):
         s = q.shape[-1] ** -0.5 if scale is None else scale
         return torch.ops.verispec_attn.paged_attention(q, k_pool, v_pool, table, mask, float(s), shift,
                                                        max_threads(0))
-    size = 1 << shift
-    blocks = -(-used // size)
-    phys = (table[:, :blocks, None] * size + torch.arange(size, device=table.device)).flatten(1)[:, :used]
-    return attend(q, k_pool[phys].transpose(1, 2), v_pool[phys].transpose(1, 2), mask, scale, softcap)
+    from .paged_kv import gather_slots
+    return attend(q, gather_slots(k_pool, table, used), gather_slots(v_pool, table, used), mask, scale, softcap)
 
 
 def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -174,7 +174,6 @@ class CompiledForward:
         # view (a tree batch's expanded mask) and once not (a padded batch's) compiled twice
         tokens, positions, attn_mask = (x.clone() if x is not None and x._base is not None else x
                                         for x in (tokens, positions, attn_mask))
-        cache.reserve(range(b), int(tokens.shape[1]))      # a paged cache's blocks (host work, before the graph)
         self._mark(cache)
         self._mark_length(tokens, positions, attn_mask)
         before, t0 = _graphs(), time.perf_counter()

@@ -49,6 +49,7 @@ from .pipeline import RequestPipeline
 from .policy import SpecPolicy
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import ClientGone
+from ..core.kv_budget import PagedKV
 from .scheduler import DEFAULT_PREFILL_CHUNK, RequestFailed
 from .security import AuditLogMiddleware, PromptDenylist
 
@@ -70,7 +71,7 @@ class ServeConfig:
     audit_log_prompts: bool = False                 # ... with the prompt text
     warmup: bool = False                            # decode a short prompt (batch 1, then 2) before /ready
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK   # chunked prefill: prompt tokens a round (None: off)
-    kv_blocks: int | None = None                    # paged KV pool of this many blocks (None: static rows)
+    kv: PagedKV | None = None                       # the paged KV pool (None: static rows)
 
     @property
     def max_body_bytes(self) -> int:

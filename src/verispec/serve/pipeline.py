@@ -61,7 +61,7 @@ class RequestPipeline:
                                    max_model_len=self.cfg.max_model_len, metrics=self.metrics,
                                    max_queue=self.cfg.max_queue, request_timeout=self.cfg.request_timeout,
                                    policy=self.cfg.policy, decode=self.decode, warmup=self.cfg.warmup,
-                                   prefill_chunk=self.cfg.prefill_chunk, kv_blocks=self.cfg.kv_blocks)
+                                   prefill_chunk=self.cfg.prefill_chunk, kv=self.cfg.kv)
         self.scheduler.start()
 
     @property

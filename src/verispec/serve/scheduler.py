@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from ..core.detokenizer import IncrementalDetokenizer
+from ..core.kv_budget import PagedKV
 from ..core.engine import PREFILL_CHUNK, Engine, Sequence
 from ..llm import LLM
 from ..models.packed import DENSE_MIN_ROWS
@@ -130,14 +131,14 @@ class Scheduler:
                  max_queue: int = 1024, request_timeout: float | None = None,
                  policy: SpecPolicy | None = None, decode: Callable[[list[int]], str] | None = None,
                  warmup: bool = False, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
-                 kv_blocks: int | None = None):
+                 kv: PagedKV | None = None):
         """``decode``: the tokenizer's decode for the requests' text (e.g. one that holds a lock).
         ``prefill_chunk``: chunked prefill, prompt tokens prefilled per round while other sequences
         decode (at least ``MIN_PREFILL_CHUNK``; None: every prompt whole at admission).
         ``warmup``: before serving, the scheduler thread decodes a short prompt at batch 1 and then
         2 (``warm_up``), so a compiled model's graphs (one-token, prefill/verify, any batch size)
         are made before the first request, not inside it; ``warmed`` is set when that is over.
-        ``kv_blocks``: the engine's paged KV pool (``Engine``; None: static rows). A request waits
+        ``kv``: the engine's paged KV pool (``core.kv_budget.PagedKV``; None: static rows). A request waits
         in the queue until the pool can hold its worst case (``core.kv_budget``)."""
         self.llm = llm
         self.max_num_seqs = max_num_seqs
@@ -150,7 +151,7 @@ class Scheduler:
         if prefill_chunk is not None and prefill_chunk < MIN_PREFILL_CHUNK:
             raise ValueError(f"prefill_chunk must be at least {MIN_PREFILL_CHUNK} tokens, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
-        self.kv_blocks = kv_blocks
+        self.kv = kv
         self.engine = self._new_engine()
         self._cond = threading.Condition()
         self._waiting: collections.deque[EngineRequest] = collections.deque()
@@ -166,7 +167,7 @@ class Scheduler:
             self.warmed.set()
 
     def _new_engine(self) -> Engine:
-        engine = self.llm.make_engine(self.max_num_seqs, self.max_model_len, kv_blocks=self.kv_blocks,
+        engine = self.llm.make_engine(self.max_num_seqs, self.max_model_len, kv=self.kv,
                                       prefill_chunk=self.prefill_chunk or PREFILL_CHUNK)
         self.metrics.observe_kv(*engine.kv_usage())
         if self.policy is not None:
@@ -260,7 +261,8 @@ class Scheduler:
         try:
             # the server's kind of cache (paged or static): the graphs read its tensors
             engine = self.llm.make_engine(self.max_num_seqs, len(ids) + 16,
-                                          kv_blocks=None if self.kv_blocks is None else 4 * len(ids) + 64)
+                                          kv=None if self.kv is None else PagedKV(4 * len(ids) + 64,
+                                                                                  self.kv.block_size))
             for batch in sorted({1, min(2, self.max_num_seqs)}):
                 engine.run([Sequence(prompt_ids=list(ids), params=params) for _ in range(batch)])
         finally:
