@@ -397,7 +397,8 @@ def test_server_flag_and_metrics(llm, chat):
         cli_serve.main(["--prefix-cache-mb", "-1"])
     assert e.value.code == 2
     prompts, refs = chat
-    srv = ServerProcess("--max-num-seqs", "2", "--max-model-len", "512", "--prefix-cache-mb", "16",
+    assert cli_serve.main(["--prefix-cache-block-size", "16"]) == 2      # the paged cache's blocks are 64
+    srv = ServerProcess("--max-num-seqs", "2", "--max-model-len", "512", "--prefix-cache-mb", "16", "--no-paged-kv",
                         "--prefix-cache-block-size", "16", "--prefix-cache-reuse", "any")
     try:
         srv.wait_ready()
