@@ -521,7 +521,7 @@ class Engine:
         self.cache.reserve(rows, t)                  # a paged cache's blocks, for the real rows only
         kv_len = self.cache.kv_len(rows, t)
         lengths = self.cache.lengths_of(range(max(rows) + 1))
-        if self._forward is not self.model and ghost_rows(rows, lengths, t, kv_len):
+        if self._forward is not self.model and not self.cache.paged and ghost_rows(rows, lengths, t, kv_len):
             # rows with holes: the compiled graph of rows 0..R-1 with ghost rows (``row_padding``)
             tokens, positions, mask, index = pad_rows(batch.tokens, batch.positions, batch.mask, rows, lengths)
             out = self._forward(tokens, positions, self.cache, attn_mask=mask, rows=range(len(tokens)),

@@ -60,6 +60,23 @@ from .transformer import ModelOutput, Transformer
 CPU_OPTIONS = {"cpp.threads": 1}
 
 
+def _row_index(rows) -> torch.Tensor:
+    """Rows as a fresh CPU long tensor (a graph input: its values are never guarded)."""
+    if isinstance(rows, torch.Tensor):
+        return rows.reshape(-1).clone()
+    return torch.tensor(list(rows), dtype=torch.long)
+
+
+def _rows_arg(rows: torch.Tensor | None, b: int) -> dict:
+    """``rows=`` for the graph call (a paged cache's row index; its batch dimension dynamic like
+    the tokens')."""
+    if rows is None:
+        return {}
+    if b > 1:
+        torch._dynamo.maybe_mark_dynamic(rows, 0)
+    return {"rows": rows}
+
+
 def _graphs() -> int:
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
@@ -166,7 +183,11 @@ class CompiledForward:
         b = int(tokens.shape[0])
         if rows is not None and not isinstance(rows, torch.Tensor) and list(rows) == list(range(b)):
             rows = None
-        if kv_len is None or rows is not None:
+        if cache.paged and kv_len is not None:
+            # any rows, in the graph: a paged cache's rows are table rows (a gather of a few ints),
+            # so no row set falls back to the eager forward, whose sums round differently
+            rows = _row_index(range(b) if rows is None else rows)
+        elif kv_len is None or rows is not None:
             self.eager_calls += 1
             return self.model(tokens, positions, cache, attn_mask=attn_mask, rows=rows,
                               hidden_layers=hidden_layers, kv_len=kv_len, logits_index=logits_index)
@@ -178,12 +199,13 @@ class CompiledForward:
         self._mark_length(tokens, positions, attn_mask)
         before, t0 = _graphs(), time.perf_counter()
         out = self._fn(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=tuple(hidden_layers),
-                       kv_len=kv_len, logits_index=logits_index)
+                       kv_len=kv_len, logits_index=logits_index, **_rows_arg(rows, b))
         if _graphs() != before:
             # a new shape: compile its dynamic-length twin now (same call, another bucket; the
             # forward only writes scratch slots, so running it twice changes nothing) rather than
             # at the next kv_len bucket, in the middle of a timed run
-            self._compile_twin(tokens, positions, cache, attn_mask, tuple(hidden_layers), kv_len, logits_index)
+            self._compile_twin(tokens, positions, cache, attn_mask, tuple(hidden_layers), kv_len, logits_index,
+                               rows)
             self.compile_s += time.perf_counter() - t0
             self.graphs += _graphs() - before
             if self.speculative and attn_mask is not None:
@@ -204,7 +226,8 @@ class CompiledForward:
         self(first(tokens), first(positions), cache, attn_mask=one, hidden_layers=hidden_layers,
              kv_len=cache.kv_len(list(range(b)), 1))
 
-    def _compile_twin(self, tokens, positions, cache, attn_mask, hidden_layers, kv_len, logits_index=None) -> None:
+    def _compile_twin(self, tokens, positions, cache, attn_mask, hidden_layers, kv_len, logits_index=None,
+                      rows=None) -> None:
         """Run the call again with ``kv_len`` one bucket larger (more slots, masked: the same
         logits), so dynamo compiles the graph for any ``kv_len`` now. A cache too short for that
         bucket is stood in for by a scratch cache of the same layout with the same lengths (its
@@ -216,7 +239,7 @@ class CompiledForward:
             self._mark(spare)
             cache = spare
         self._fn(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=hidden_layers, kv_len=twin,
-                 logits_index=logits_index)
+                 logits_index=logits_index, **_rows_arg(rows, int(tokens.shape[0])))
 
     def _compile_verify_twin(self, tokens, positions, cache, attn_mask, hidden_layers) -> None:
         """After the one-token graph, compile the multi-token (verify) graph at once, with a

@@ -212,6 +212,13 @@ class PagedKVCache(KVCache):
             self.table[row, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.long).to(self.device)
         self._set(row, [length])
 
+    def select(self, rows: Rows | None, batch: int) -> tuple[torch.Tensor, slice | torch.Tensor]:
+        """As ``KVCache.select``, but a row tensor is the index as is, never read on the host
+        (a compiled graph takes any rows: reading a paged row is a gather of its table row)."""
+        if isinstance(rows, torch.Tensor):
+            return rows.reshape(-1), rows.reshape(-1)
+        return super().select(rows, batch)
+
     # -- writes and reads used by attention ---------------------------------------------------
     def physical(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Physical slots ``[B, T]`` of ``slots [B, T]`` of ``rows [B]`` (through the table)."""
