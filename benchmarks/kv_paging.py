@@ -164,10 +164,10 @@ def markdown(report: dict) -> str:
              f"({', '.join(report['any_reuse_differs']) or 'none'}): a hit's rest is prefilled from the hit on, "
              "so its sums run in another order than a cold prefill's, and a near-tie token can flip (as with "
              "vLLM's prefix caching). Users cycle through the questions, so with any reuse later requests "
-             "find their whole prompt cached: its speed at 8 and 32 users counts those hits. Every server, static "
-             "rows too, answered some question differently at 8 users than to one user (the row \"answers that "
-             "change with the load\"): a request that runs some steps alone and some in a batch goes through "
-             "the one-row and the many-row compiled graphs, which may round differently (not yet fixed).\n",
+             "find their whole prompt cached: its speed at 8 and 32 users counts those hits. The row \"answers that "
+             "change with the load\" lists questions a server answered differently at 8 or 32 users than to one "
+             "user: static rows run a batch with holes that ghost rows cannot cover through the eager forward, "
+             "which rounds unlike the compiled graph; the paged cache's graph takes any rows.\n",
              "| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names),
              row("answers that change with the load", lambda c: ", ".join(load_dependent(c)) or "none"),
              row("peak RSS, MiB", lambda c: c["peak_rss_mb"]),
