@@ -232,19 +232,25 @@ class KVCache:
     def write_prefix(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Make ``k, v [num_layers, num_kv_heads, T, head_dim]`` the first T committed slots of
         an empty ``row`` (``lengths[row]`` becomes T)."""
-        t = int(k.shape[2])
-        if self.lengths_of(row)[0] != 0:
-            raise ValueError(f"row {row} is not empty (length {self.lengths_of(row)[0]})")
-        heads, dim = self.k[0].shape[1], self.k[0].shape[3]
-        if tuple(k.shape) != (len(self.k), heads, t, dim) or k.shape != v.shape:
-            raise ValueError(f"K/V of shape {tuple(k.shape)} / {tuple(v.shape)} do not fit this cache "
-                             f"({len(self.k)} layers, {heads} KV heads, head dim {dim})")
+        t = self._check_prefix(row, k, v)
         if t > self.max_len:
             raise CacheFullError(f"KV cache holds {self.max_len} slots per sequence, {t} needed")
         for layer in range(len(self.k)):
             self.k[layer][row, :, :t] = k[layer]
             self.v[layer][row, :, :t] = v[layer]
         self._set(row, [t])
+
+    def _check_prefix(self, row: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """T of ``k, v [num_layers, num_kv_heads, T, head_dim]`` for the empty ``row`` (a
+        ValueError when the row is not empty or the shapes do not fit)."""
+        t = int(k.shape[2])
+        if self.lengths_of(row)[0] != 0:
+            raise ValueError(f"row {row} is not empty (length {self.lengths_of(row)[0]})")
+        heads, dim = self.k[0].shape[1], self.k[0].shape[-1]
+        if tuple(k.shape) != (len(self.k), heads, t, dim) or k.shape != v.shape:
+            raise ValueError(f"K/V of shape {tuple(k.shape)} / {tuple(v.shape)} do not fit this cache "
+                             f"({len(self.k)} layers, {heads} KV heads, head dim {dim})")
+        return t
 
     def reset(self, rows: Rows | None = None) -> None:
         if rows is None:

@@ -284,13 +284,7 @@ class PagedKVCache(KVCache):
                 torch.stack([v[block, :, off].transpose(0, 1) for v in self.v]))
 
     def write_prefix(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        t = int(k.shape[2])
-        if self.lengths_of(row)[0] != 0:
-            raise ValueError(f"row {row} is not empty (length {self.lengths_of(row)[0]})")
-        heads, dim = self.k[0].shape[1], self.k[0].shape[3]
-        if tuple(k.shape) != (len(self.k), heads, t, dim) or k.shape != v.shape:
-            raise ValueError(f"K/V of shape {tuple(k.shape)} / {tuple(v.shape)} do not fit this cache "
-                             f"({len(self.k)} layers, {heads} KV heads, head dim {dim})")
+        t = self._check_prefix(row, k, v)
         self.reserve(row, t)
         block, off = self._split(self.slot_index(slice(row, row + 1), t)[0])
         for layer in range(len(self.k)):
