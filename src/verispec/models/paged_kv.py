@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .kv_cache import CacheFullError, KVCache, Rows, _host_rows, _index
+from .kv_cache import CacheFullError, KVCache, Rows, _host_counts, _host_rows, _index
 
 # Slots per block. Attention streams a block's keys of one head (block_size x head_dim floats in a
 # row); at 16 slots (4 KiB for head_dim 64) the op ran 10-30% slower than over static rows, at 64
@@ -120,8 +120,10 @@ class PagedKVCache(KVCache):
         """Free blocks missing for ``reserve(rows, new_tokens)`` (0: it would succeed). Shared
         blocks that would be copied count as new."""
         host = _host_rows(rows)
-        counts = [new_tokens] * len(host) if isinstance(new_tokens, int) else list(new_tokens)
-        need = sum(self._new_blocks(r, n, c) for r, n, c in zip(host, self.lengths_of(host), counts))
+        return self._missing(host, self.lengths_of(host), _host_counts(new_tokens, host))
+
+    def _missing(self, host: list[int], lengths: list[int], counts: list[int]) -> int:
+        need = sum(self._new_blocks(r, n, c) for r, n, c in zip(host, lengths, counts))
         return max(0, need - len(self._free))
 
     def _new_blocks(self, row: int, length: int, count: int) -> int:
@@ -135,15 +137,14 @@ class PagedKVCache(KVCache):
         nothing: ``CacheFullError`` past ``max_len``, ``KVPoolFullError`` when the pool is short
         (after asking ``reclaim`` for the missing blocks)."""
         host = _host_rows(rows)
-        counts = [new_tokens] * len(host) if isinstance(new_tokens, int) else list(new_tokens)
-        lengths = self.lengths_of(host)
+        counts, lengths = _host_counts(new_tokens, host), self.lengths_of(host)
         need = max((n + c for n, c in zip(lengths, counts)), default=0)
         if need > self.max_len:
             raise CacheFullError(f"KV cache holds {self.max_len} slots per sequence, {need} needed")
-        missing = self.shortfall(host, counts)
+        missing = self._missing(host, lengths, counts)
         if missing and self.reclaim is not None:
             self.reclaim(missing)
-            missing = self.shortfall(host, counts)
+            missing = self._missing(host, lengths, counts)
         if missing:
             raise KVPoolFullError(f"KV pool is full: {missing} more block(s) of {self.block_size} slots needed, "
                                   f"{self.num_blocks} in all ({self.num_free_blocks} free)")
