@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from . import native
 from .packed import DENSE_MIN_ROWS, max_threads
+from .paged_kv import gather_slots
 
 _OFF = os.environ.get("VERISPEC_ATTENTION", "").strip().lower() == "sdpa"
 
@@ -111,7 +112,6 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         s = q.shape[-1] ** -0.5 if scale is None else scale
         return torch.ops.verispec_attn.paged_attention(q, k_pool, v_pool, table, mask, float(s), shift,
                                                        max_threads(0))
-    from .paged_kv import gather_slots
     return attend(q, gather_slots(k_pool, table, used), gather_slots(v_pool, table, used), mask, scale, softcap)
 
 

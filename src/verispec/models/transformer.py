@@ -142,12 +142,13 @@ class Attention(nn.Module):
             # isinstance, not ``select is None``: dynamo evaluates an identity test on a slice by
             # specialising its symbolic bounds, which recompiled the graph for every batch size
             sel = select if isinstance(select, (slice, torch.Tensor)) else cache.view_rows(rows)
-            if cache.paged:
+            if cache.paged:                                   # the pool, read in place through the table
                 out = attend_paged(q, cache.k[self.layer], cache.v[self.layer], cache.table[sel], used, mask,
                                    self.scale, self.softcap, cache.shift)
-                return self.wo(out.transpose(1, 2).reshape(b, t, self.h * self.d))
-            k, v = cache.read(self.layer, sel, used)
-        out = attend(q, k, v, mask, self.scale, self.softcap)
+            else:
+                out = attend(q, *cache.read(self.layer, sel, used), mask, self.scale, self.softcap)
+        else:
+            out = attend(q, k, v, mask, self.scale, self.softcap)
         return self.wo(out.transpose(1, 2).reshape(b, t, self.h * self.d))
 
 
