@@ -12,11 +12,15 @@ import json
 import logging
 import os
 import sys
+import threading
+from typing import Callable, TypeVar
 
 from ..models.device import add_device_argument, add_weights_argument
 from ..core.kv_budget import PagedKV, pool_blocks
 from ..models.paged_kv import BLOCK_SIZE
 from ..serve.scheduler import DEFAULT_PREFILL_CHUNK, MIN_PREFILL_CHUNK
+
+T = TypeVar("T")
 
 DEFAULT_PREFIX_MB = 256.0     # the prefix cache is on by default
 KV_SLACK = 64                 # slots a pool holds past max-model-len: a verify step's draft tree
@@ -156,37 +160,52 @@ def split_spec_config(text: str | None, policy_flag: str | None) -> tuple[dict |
     return spec, policy_flag if policy_flag is not None else policy
 
 
-def passive_openmp() -> None:
-    """Re-execute this command once with ``OMP_WAIT_POLICY=PASSIVE`` unless it or
-    ``GOMP_SPINCOUNT`` is set (the user's choice stands).
+class _BadSetting(ValueError):
+    """A setting that only shows itself wrong once the model is loaded (exit status 2)."""
 
-    A server runs Python threads beside the forward's OpenMP workers (the event loop, the
-    scheduler's bookkeeping, the clients' connections). Workers that spin between parallel
-    regions, libgomp's default, keep those threads off the cores: one SmolLM2 stream ran at 80
-    tokens/s with the default policy, 63 with ACTIVE and 137 with PASSIVE, on 2 cores, against
-    the engine's 185 in-process. libgomp reads the variable once, when torch loads, which is
-    before the arguments are parsed; hence the re-execution (a second or two at start-up).
-    The price: 32 closed-loop streams ran at about 325 tokens/s in all instead of about 420
-    (still above llama-server's 226-244 under the same load; ``benchmarks/results/serve_load.md``).
-    A short spin (``GOMP_SPINCOUNT=10000``) kept one stream at 75 tokens/s."""
-    if os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT") or not getattr(sys, "orig_argv", None):
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+
+def off_main_thread(build: Callable[[], T]) -> T:
+    """``build()`` run in a thread that ends when it returns; its result, or its exception re-raised.
+
+    Why: libgomp keeps a pool of worker threads for each thread that starts a parallel region,
+    for that thread's whole life. Loading a model, packing its weights and sizing its caches run
+    parallel regions. Run on the main thread, which then serves uvicorn's event loop, they would
+    leave a second pool beside the scheduler thread's. With more OpenMP threads than cores,
+    libgomp cuts its workers' spin-wait short, and each parallel region of a decoding step then
+    pays a sleeping worker's wake-up. One SmolLM2 stream (int4, compiled, 2 cores) ran at 80
+    tokens/s with the model built on the main thread and at 189-192 with it built here, against
+    191-203 in-process (``LLM.chat``). A thread's pool goes when the thread ends, so the
+    scheduler thread owns the only one.
+
+    With that one pool, OpenMP's default spin-wait beats ``OMP_WAIT_POLICY=PASSIVE``, which the
+    server used to set: closed-loop tokens/s at 1 / 8 / 32 users were 143-177 / 447-481 / 495-552
+    spinning against 133-138 / 322-332 / 331-349 passive (two fresh servers each, interleaved)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = build()
+        except BaseException as e:   # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="verispec-load")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Load the model, build the app and run uvicorn until interrupted (first re-executed with
-    passive OpenMP workers: ``passive_openmp``)."""
-    passive_openmp()
+    """Load the model and build the app (``off_main_thread``), then run uvicorn until interrupted.
+    OpenMP keeps its default spin-wait policy unless ``OMP_WAIT_POLICY`` says otherwise."""
     try:
         import uvicorn
-        from ..serve.app import ServeConfig, create_app
+
+        from ..serve import app as _app  # noqa: F401 - the server extras are installed
     except ImportError as e:
         print(f"verispec serve: {e}; install the server extras: pip install 'verispec[serve]'", file=sys.stderr)
         return 1
-    from .. import LLM
     from ..serve.policy import parse_policy
     from ..drafting.spec_config import SpecConfigError, SpeculativeConfig
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -213,27 +232,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "drop --prefix-cache-block-size or use --no-paged-kv", file=sys.stderr)
         return 2
     try:
-        llm = LLM(args.model, dtype=args.dtype, weights=args.weights, speculative_config=spec, max_num_seqs=args.max_num_seqs,
-                  max_model_len=args.max_model_len, num_threads=args.num_threads,
-                  prefix_cache_mb=prefix_mb, prefix_cache_block_size=prefix_block,
-                  prefix_cache_exact=args.prefix_cache_reuse == "exact",
-                  device=args.device, compile=args.compile)
+        llm, kv, app = off_main_thread(lambda: _build(args, spec, policy, denylist, prefix_mb, prefix_block))
+    except _BadSetting as e:
+        print(f"verispec serve: {e}", file=sys.stderr)
+        return 2
     except Exception as e:          # noqa: BLE001 - any loading failure ends the command
         print(f"verispec serve: cannot load {args.model!r}: {e}", file=sys.stderr)
         return 1
-    try:
-        kv = _paged_kv(args, llm)
-    except ValueError as e:
-        print(f"verispec serve: {e}", file=sys.stderr)
-        return 2
-    cfg = ServeConfig(model_name=args.model, max_num_seqs=args.max_num_seqs, max_model_len=llm.max_model_len,
-                      max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
-                      max_queue=args.max_queue, request_timeout=args.request_timeout,
-                      response_cache=args.response_cache, policy=policy, shutdown_grace_s=args.shutdown_grace,
-                      prompt_denylist=denylist, audit_log=args.audit_log, audit_log_prompts=args.audit_log_prompts,
-                      warmup=True, prefill_chunk=args.prefill_chunk or None, kv=kv)
     from ..serve.drain import DrainingServer
-    app = create_app(llm, cfg)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=int(args.shutdown_grace) + 1,
                                            access_log=args.log_level == "debug"), app.state.server, args.shutdown_grace)
@@ -245,6 +251,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"paged, {kv.blocks} blocks of {kv.block_size}" if kv else "static rows")
     server.run()
     return 0 if server.started else 1
+
+
+def _build(args, spec, policy, denylist, prefix_mb: float, prefix_block: int):
+    """The model, its paged KV setting and the app, as ``cmd_serve`` runs them (``off_main_thread``)."""
+    from .. import LLM
+    from ..serve.app import ServeConfig, create_app
+    llm = LLM(args.model, dtype=args.dtype, weights=args.weights, speculative_config=spec,
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_threads=args.num_threads,
+              prefix_cache_mb=prefix_mb, prefix_cache_block_size=prefix_block,
+              prefix_cache_exact=args.prefix_cache_reuse == "exact", device=args.device, compile=args.compile)
+    try:
+        kv = _paged_kv(args, llm)
+    except ValueError as e:
+        raise _BadSetting(str(e)) from e
+    cfg = ServeConfig(model_name=args.model, max_num_seqs=args.max_num_seqs, max_model_len=llm.max_model_len,
+                      max_prompt_tokens=args.max_prompt_tokens, api_key=args.api_key or None,
+                      max_queue=args.max_queue, request_timeout=args.request_timeout,
+                      response_cache=args.response_cache, policy=policy, shutdown_grace_s=args.shutdown_grace,
+                      prompt_denylist=denylist, audit_log=args.audit_log, audit_log_prompts=args.audit_log_prompts,
+                      warmup=True, prefill_chunk=args.prefill_chunk or None, kv=kv)
+    return llm, kv, create_app(llm, cfg)
 
 
 def _paged_kv(args, llm) -> PagedKV | None:
