@@ -1,8 +1,8 @@
-"""What bounds the shipped SmolLM2-135M heads on this machine: measured step costs, and the
-acceptance a head would need for the speed-ups issue #22 asks for.
+"""What bounds a model's shipped heads on this machine: measured step costs, and the
+acceptance a head would need for a given speed-up.
 
-One process, fp16-packed SmolLM2-135M, 2 threads, measured as the default configs measure at
-start-up (``draft_shape``'s own timers, fastest of ``--reps``):
+One process, the target on ``--weights`` (default: SmolLM2-135M fp16-packed), 2 threads, measured
+as the default configs measure at start-up (``draft_shape``'s own timers, fastest of ``--reps``):
 - V(T): the target's verify forward over T tokens after a 256-token context, through the compiled
   forward the engines run (with the EAGLE-3 head's feature layers requested, as in decoding);
 - the EAGLE-3 head's fixed draft cost (catch-up on one accepted token, which also ranks depth 1)
@@ -20,12 +20,15 @@ Spec-Bench benchmark's prompts (2 per category, 128 new tokens, compiled vanilla
 speed-up over vanilla counts the prefill, which speculation does not shorten.
 
     python benchmarks/heads_bound.py [--reps 15]
+    python benchmarks/heads_bound.py --model qwen2.5-coder-1.5b --weights int4-a8 --heads eagle3 \
+        --out benchmarks/results/heads_bound_qwen2.5-coder-1.5b
 
-Writes benchmarks/results/heads_bound.{json,md}.
+Writes benchmarks/results/heads_bound.{json,md} (SmolLM2's) unless ``--out`` says otherwise.
 """
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from verispec.bench import harness
@@ -59,7 +62,8 @@ def alpha_needed(goal: float, costs, max_depth: int) -> float | None:
     return hi
 
 
-def measure(reps: int) -> dict:
+def measure(reps: int, model: str = "smollm2-135m", weights: str = "fp16",
+            heads: tuple[str, ...] = ("eagle3", "medusa")) -> dict:
     import torch
 
     from verispec.drafting.draft_shape import AcceptanceProfile, StepCosts, best_tree, measure_verify
@@ -72,27 +76,33 @@ def measure(reps: int) -> dict:
     from verispec.drafting.draft_vocab import FOLDER_FILE, load_draft_vocab
     from verispec.models.compiled import CompiledForward
     torch.set_num_threads(2)
-    target = load_model("smollm2-135m", weights="fp16")
+    from verispec.models.draft_packing import draft_packing
+    target = load_model(model, weights=weights)
     forward = CompiledForward.shared(target.model)
     forward.speculative = True
-    e3_dir, md_dir = ROOT / "checkpoints" / "smollm2-135m-eagle3", ROOT / "checkpoints" / "smollm2-135m-medusa"
+    e3_dir, md_dir = ROOT / "checkpoints" / f"{model}-eagle3", ROOT / "checkpoints" / f"{model}-medusa"
     head = load_eagle_head(str(e3_dir), target.model, HeadKind.EAGLE3)
-    medusa = load_medusa_heads(str(md_dir), target.model)
+    medusa = load_medusa_heads(str(md_dir), target.model) if "medusa" in heads else None
     for h, folder in ((head, e3_dir), (medusa, md_dir)):         # the shipped cuts, as the factories apply them
+        if h is None:
+            continue
         if (folder / FOLDER_FILE).is_file():
             h.restrict_vocab_(load_draft_vocab(folder / FOLDER_FILE, target.config.vocab_size).draft_ids)
-        h.pack_("fp16", target.model.lm_head)
+        h.pack_(draft_packing(target, h) or "fp16", target.model.lm_head)    # as beside these weights
     verify = measure_verify(target.model, hidden_layers=head.hidden_layers, reps=reps, forward=forward)
     between = target_step(target.model, forward)
     fixed, levels, _ = draft_costs(head, reps=reps, between=between)
     e3 = StepCosts(verify, fixed, levels)
-    md = StepCosts(verify, draft_cost(medusa, reps=reps, between=between))
-    out = {"verify_ms": verify, "eagle3": {"draft_fixed_ms": fixed, "level_ms": levels,
-                                           "draft_vocab": head.lm_head.out_features},
-           "medusa": {"draft_ms": md.draft_fixed,
-                      "draft_vocab": int(medusa.vocab_ids.numel()) if medusa.vocab_ids is not None else None},
+    out = {"model": model, "weights": weights, "verify_ms": verify,
+           "eagle3": {"draft_fixed_ms": fixed, "level_ms": levels, "draft_vocab": head.lm_head.out_features},
            "heads": {}, "prefill": prefill_share(target)}
-    for name, folder, costs, depth in (("eagle3", e3_dir, e3, 8), ("medusa", md_dir, md, medusa.cfg.num_heads)):
+    todo = [("eagle3", e3_dir, e3, 8)]
+    if medusa is not None:
+        md = StepCosts(verify, draft_cost(medusa, reps=reps, between=between))
+        out["medusa"] = {"draft_ms": md.draft_fixed,
+                         "draft_vocab": int(medusa.vocab_ids.numel()) if medusa.vocab_ids is not None else None}
+        todo.append(("medusa", md_dir, md, medusa.cfg.num_heads))
+    for name, folder, costs, depth in todo:
         prof = AcceptanceProfile.load(folder)
         shipped = best_tree(prof, costs, max_depth=depth).as_dict()
         perfect = [{"chain": k, "speedup": (k + 1) * costs.vanilla_ms / _chain_ms(costs, k)}
@@ -150,7 +160,8 @@ def _chain_ms(costs, k: int) -> float:
 
 def report(res: dict) -> str:
     v = dict(res["verify_ms"])
-    lines = ["SmolLM2-135M fp16-packed, 2 threads, batch 1, 256-token context; "
+    lines = [f"{res.get('model', 'smollm2-135m')} {res.get('weights', 'fp16')}, compiled, 2 threads, batch 1, "
+             "256-token context; "
              f"fastest of {res['reps']} timings, all measured in this run. Modelled with "
              "`draft_shape` (what the default configs use to choose their shapes); the engine's own "
              "per-step overhead and the prefill are not in these numbers, so real speed-ups are lower (the "
@@ -162,8 +173,9 @@ def report(res: dict) -> str:
              f"EAGLE-3 head ({res['eagle3'].get('draft_vocab', '16384')}-token draft vocabulary): fixed draft cost "
              f"(catch-up, ranks depth 1) {res['eagle3']['draft_fixed_ms']:.2f} ms; "
              "one more level over w nodes: " + ", ".join(f"w={w}: {ms:.2f} ms" for w, ms in res['eagle3']['level_ms'])
-             + f". Medusa heads (every depth in one forward, {res['medusa'].get('draft_vocab') or 'full'}-token "
-             f"vocabulary): {res['medusa']['draft_ms']:.2f} ms. Draft costs are timed after a target forward.", ""]
+             + "." + (f" Medusa heads (every depth in one forward, {res['medusa'].get('draft_vocab') or 'full'}-token "
+                      f"vocabulary): {res['medusa']['draft_ms']:.2f} ms." if "medusa" in res else "")
+             + " Draft costs are timed after a target forward.", ""]
     pf = res.get("prefill")
     if pf:
         top = sorted(pf["per_category"].items(), key=lambda kv: -kv[1])
@@ -197,6 +209,9 @@ OUT = harness.Output("heads_bound", "What bounds the shipped heads on this machi
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--model", default="smollm2-135m", help="the target; its heads are checkpoints/<model>-<method>")
+    ap.add_argument("--weights", default="fp16", help="the target's weights (the heads are packed to match)")
+    ap.add_argument("--heads", default="eagle3,medusa", help="eagle3 and optionally medusa")
     OUT.main(ap, run)
 
 
@@ -204,7 +219,7 @@ def run(a) -> dict:
     import torch
     torch.set_num_threads(2)
     machine = harness.machine_record()                  # before measuring, with its thread count
-    return {"machine": machine, **measure(a.reps), "reps": a.reps}
+    return {"machine": machine, **measure(a.reps, a.model, a.weights, tuple(a.heads.split(","))), "reps": a.reps}
 
 
 if __name__ == "__main__":
