@@ -40,11 +40,14 @@ def _bench_rows(bench: Path, method: str) -> list[str]:
 
 
 def write_card(dest: Path, meta: dict, method: str, *, bench: Path | None = None, regen: dict | None = None,
-               reproduce: list[str] = (), notes: list[str] = ()) -> Path:
+               reproduce: list[str] = (), notes: list[str] = (), model: str = "smollm2-135m",
+               model_title: str = "SmolLM2-135M-Instruct") -> Path:
+    """The model card ``dest/README.md`` of a head for ``model``: files, data, training, held-out
+    accuracy, the benchmark's acceptance per category (``bench``), ``notes`` and how to reproduce."""
     held = meta.get("heldout", {})
     lines = [f"# {dest.name}", "",
-             f"A `{method}` draft head for `smollm2-135m` (SmolLM2-135M-Instruct), trained by verispec on the "
-             f"project's 2-core CPU machine. Use: `LLM(model=\"smollm2-135m\", speculative_config="
+             f"A `{method}` draft head for `{model}` ({model_title}), trained by verispec on the "
+             f"project's 2-core CPU machine. Use: `LLM(model=\"{model}\", speculative_config="
              f"{{\"method\": \"{method.split('.')[0] if method != 'eagle3.1' else 'eagle3'}\"}})` (this folder is "
              "the default head for that method).", "",
              "## What", "",
@@ -64,7 +67,7 @@ def write_card(dest: Path, meta: dict, method: str, *, bench: Path | None = None
     if meta.get("batch_size") and meta.get("train_sequences"):
         n = meta["steps"] * meta["batch_size"]
         seen = f" of {meta['batch_size']} sequences: {n} sequences seen ({n / meta['train_sequences']:.2f} epochs)"
-    lines += ["", "## Training", "", f"- {meta.get('steps')} optimizer steps{seen}, wall time "
+    lines += ["", "## Training", "", f"- {meta.get('steps')} optimizer steps{seen}, wall time of the last sitting "
               f"{meta.get('wall_time_s', 0) / 60:.1f} min, {meta.get('threads')} threads, torch {meta.get('torch')}",
               f"- final training step: loss {meta.get('final_train', {}).get('loss', float('nan')):.3f}", "",
               "Held-out accuracy per step (top-1 agreement with the target; acc@i = TTT step / head i):", ""]
