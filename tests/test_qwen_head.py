@@ -114,6 +114,27 @@ def test_the_speculators_export_loads_back(tmp_path, target, head_root):
     assert read_tensors(report.path)
 
 
+def test_the_shipped_qwen_head_fits_its_budget_and_has_its_card():
+    """``checkpoints/qwen2.5-coder-1.5b-eagle3``: at most 150 MB, bf16 weights, the config shape
+    the trainer writes for this target (read without loading the 1.5B model), and a card."""
+    from safetensors import safe_open
+    folder = Path(__file__).resolve().parents[1] / "checkpoints" / f"{NAME}-eagle3"
+    total = sum(f.stat().st_size for f in folder.iterdir())
+    assert total <= 150e6, f"the Qwen head takes {total / 1e6:.1f} MB (budget 150 MB)"
+    cfg = json.loads((folder / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["vocab_size"], cfg["num_key_value_heads"]) == (1536, 151936, 2)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 14, 25]
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        dtypes = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert "BF16" in dtypes and not {"F32", "F16"} & dtypes, dtypes
+    card = (folder / "README.md").read_text()
+    for what in ("## Data", "## Training", "acc", "## Measured acceptance", "## Reproduce"):
+        assert what in card, what
+    assert "nan" not in card.lower()
+    profile = json.loads((folder / "acceptance.json").read_text())
+    assert len(profile["rank_probs"]) == 7
+
+
 @pytest.mark.slow
 def test_the_shipped_qwen_head_is_lossless_and_accepted():
     """The real head beside the real target (int4-a8, the weights it was trained beside): greedy
