@@ -275,6 +275,8 @@ class Scheduler:
                 log.info("warm-up done in %.1f s", self.warm_up())
             except Exception:        # noqa: BLE001 - a failed warm-up leaves compiling to the first requests
                 log.exception("warm-up failed; serving without it")
+            if self.llm.compiled is not None:   # the warm-up's compiling, on /metrics before any request
+                self.metrics.observe_compiled(self.llm.compiled)
             self.warmed.set()
         while True:
             try:
