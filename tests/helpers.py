@@ -75,6 +75,24 @@ def randomise(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module.eval()
 
 
+def save_random_hf(model, folder, vocab: int):
+    """Save a transformers ``model`` with random weights (seeded 0: norms in [0.5, 1.5), others
+    N(0, 0.2)) and a word-level tokenizer of ``vocab`` words (``t0`` unknown and padding, ``t1``
+    BOS, ``t2`` EOS) to ``folder``, as a Hugging Face folder that consumers and our loader read."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
+                            pad_token="t0").save_pretrained(folder)
+    return folder
+
+
 def tiny_head_config(kind, vocab: int, hidden: int, layers: int, **overrides):
     """An ``EagleHeadConfig`` for a ``tiny_llama`` target (4 heads of 8, 2 KV heads; EAGLE-3: the
     default aux layers), with ``overrides``."""

@@ -39,7 +39,7 @@ import types
 import pytest
 import torch
 
-from helpers import randomise, tiny_head_config
+from helpers import randomise, save_random_hf, tiny_head_config
 
 from verispec.core.features import TargetFeatures
 from verispec.drafting.eagle_head import HeadKind, new_eagle_head
@@ -58,23 +58,11 @@ pytestmark = pytest.mark.usefixtures("module_single_thread")
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     """A random tiny Llama saved by transformers (with a word-level tokenizer: consumers load one)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    folder = tmp_path_factory.mktemp("target")
+    from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-5,
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
-                            pad_token="t0").save_pretrained(folder)
-    return folder
+    return save_random_hf(LlamaForCausalLM(cfg), tmp_path_factory.mktemp("target"), V)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import save_random_hf
+
 from verispec import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("module_single_thread")
@@ -30,23 +32,11 @@ VOCAB, LAYERS, DRAFT = 96, 6, 48
 def qwen_dir(tmp_path_factory) -> Path:
     """A random tiny Qwen2 saved by transformers, with a word-level tokenizer, in a folder named like
     the real model."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    folder = tmp_path_factory.mktemp("models") / NAME
+    from transformers import Qwen2Config, Qwen2ForCausalLM
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       tie_word_embeddings=False, rope_theta=1_000_000.0, eos_token_id=2, bos_token_id=1)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
-                            pad_token="t0").save_pretrained(folder)
-    return folder
+    return save_random_hf(Qwen2ForCausalLM(cfg), tmp_path_factory.mktemp("models") / NAME, VOCAB)
 
 
 @pytest.fixture(scope="module")
