@@ -271,6 +271,7 @@ TABLE_ROWS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("specbench-qwen-int4-a8", "exact-int4-a8-qwen-26", ("vanilla", "ngram-x1", "draft-v64k-k3", "llamacpp")),
     ("specbench-smollm2-heads-int4", "heads-int4-smollm2", ("vanilla", "eagle3", "medusa", "eagle", "suffix",
                                                             "hybrid")),
+    ("specbench-qwen-heads", "heads-int4-a8-qwen", ("vanilla", "eagle3", "suffix", "hybrid")),
 )
 TABLE_BEGIN = "<!-- results table: python -m verispec.bench.suites table --write -->"
 TABLE_END = "<!-- end of results table -->"
