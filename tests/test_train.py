@@ -429,6 +429,12 @@ def test_ship_copies_the_checkpoint_and_writes_the_card(tmp_path, single_thread)
     assert "| acc | 0.500 | 0.250 |" in text and "12 sequences seen (3.00 epochs)" in text
     assert "3 conversations, 90 answer tokens" in text and "- shared machine" in text
     assert "verispec train eagle3 ..." in text and "(not measured)" in text
+    assert "for `smollm2-135m` (SmolLM2-135M-Instruct)" in text               # no --model: the default
+    meta["command"] = "verispec train eagle3 --model qwen2.5-coder-1.5b --out runs/q"
+    (run / "train_meta.json").write_text(json.dumps(meta))
+    text = ship(run, tmp_path / "dest", "eagle3").read_text()
+    assert "for `qwen2.5-coder-1.5b` (Qwen2.5-Coder-1.5B-Instruct)" in text
+    assert 'LLM(model="qwen2.5-coder-1.5b"' in text
 
 
 def test_draft_losses_rank_the_target_argmax_and_match_the_cli():

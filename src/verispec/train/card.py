@@ -39,11 +39,27 @@ def _bench_rows(bench: Path, method: str) -> list[str]:
     return lines or [f"(no `{method}` rows in {bench})"]
 
 
+def _model_of(meta: dict) -> str:
+    """The ``--model`` of the training command in ``train_meta.json`` (smollm2-135m, the default)."""
+    words = str(meta.get("command", "")).split()
+    return words[words.index("--model") + 1] if "--model" in words[:-1] else "smollm2-135m"
+
+
+def _title_of(model: str) -> str:
+    """A known model's upstream name (``SmolLM2-135M-Instruct``), else the name as given."""
+    from ..models.sources import KNOWN_MODELS
+    known = next((m for m in KNOWN_MODELS if m.name == model), None)
+    return known.description.split(" GGUF")[0] if known is not None else model
+
+
 def write_card(dest: Path, meta: dict, method: str, *, bench: Path | None = None, regen: dict | None = None,
-               reproduce: list[str] = (), notes: list[str] = (), model: str = "smollm2-135m",
-               model_title: str = "SmolLM2-135M-Instruct") -> Path:
-    """The model card ``dest/README.md`` of a head for ``model``: files, data, training, held-out
-    accuracy, the benchmark's acceptance per category (``bench``), ``notes`` and how to reproduce."""
+               reproduce: list[str] = (), notes: list[str] = (), model: str | None = None,
+               model_title: str | None = None) -> Path:
+    """The model card ``dest/README.md`` of a head for ``model`` (default: the run command's
+    ``--model``, else smollm2-135m): files, data, training, held-out accuracy, the benchmark's
+    acceptance per category (``bench``), ``notes`` and how to reproduce."""
+    model = model or _model_of(meta)
+    model_title = model_title or _title_of(model)
     held = meta.get("heldout", {})
     lines = [f"# {dest.name}", "",
              f"A `{method}` draft head for `{model}` ({model_title}), trained by verispec on the "
