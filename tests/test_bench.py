@@ -51,12 +51,17 @@ def test_tiny_run_writes_wellformed_files(tiny):
             assert s["speedup_vs_vanilla"] > 0 and s["speedup_vs_hf"] > 0
     assert overall[("vanilla", 1)]["speedup_vs_vanilla"] == pytest.approx(1.0)
     assert overall[("ngram", 1)]["draft_frac"] is not None and overall[("hf", 1)]["draft_frac"] is None
+    # the estimator's model beside the measured decode speed-up (prefill left out)
+    ngram, vanilla = overall[("ngram", 1)], overall[("vanilla", 1)]
+    assert ngram["modelled_speedup"] > 0 and ngram["decode_speedup"] > 0 and ngram["modelled_tokens_per_step"] >= 1
+    assert vanilla["modelled_speedup"] is None and vanilla["decode_speedup"] == pytest.approx(1.0)
     assert {r["category"] for r in suite["records"]} == {"qa", "translation"}
     # greedy: every method's output equals vanilla's up to numerical ties
     assert suite["fidelity"] and all(f["status"] in ("identical", "tie") for f in suite["fidelity"])
     md = (out / "report.md").read_text()
     assert "| Method | translation | qa | **Overall** |" in md
     assert "Where speculation stops paying" in md and "![speedup_per_category]" in md
+    assert "### Modelled vs measured, decoding steps (batch 1)" in md
 
 
 def test_report_rerenders_from_results_json(tiny, tmp_path):

@@ -50,6 +50,22 @@ def test_the_best_budget_follows_the_scaled_profile():
     assert gate.scale(4) == pytest.approx((1 + 4 * 0.86) / (3 * 0.86 + 4 * 0.86))      # prior: 4 such steps
 
 
+def test_each_budget_comes_with_the_model_behind_it():
+    """``modelled`` gives the expected tokens and cost ratio of the step just decided (a plain
+    step: 1 and 1; a trial: its first option's), the numbers the engine sums per request."""
+    c = GateConfig()
+    gate = DraftGate(OPTIONS, c)
+    assert gate.modelled(5) == (1.0, 1.0)              # an unknown request
+    assert gate.budget(5) == 3 and gate.modelled(5) == pytest.approx((1.86, 1.45))
+    simulate(gate, 5, 0.0, 12)                         # rejected: it stops drafting
+    assert gate.mode(5) is Mode.WAIT and gate.budget(5) == 0 and gate.modelled(5) == (1.0, 1.0)
+    for _ in range(c.min_wait):
+        gate.budget(5)
+    assert gate.mode(5) is Mode.TRIAL and gate.budget(5) == 1
+    tokens, ratio = gate.modelled(5)
+    assert ratio == 1.2 and 1.0 < tokens < 1.5          # the first option, with the request's calibration
+
+
 def test_a_request_that_gains_keeps_its_tree_and_a_weaker_one_drafts_less():
     gate = DraftGate(OPTIONS)
     budgets = simulate(gate, 1, 1.0, 60)             # its first step gets 0 (fractions carry over)
@@ -97,6 +113,32 @@ def test_cost_ratios_come_from_the_requests_timed_batch_one_steps():
     assert gate.best(1.0, 5) == 1                       # the measured cost made the whole tree dearer
     assert gate.measured_ratio(3, 6) is None and gate.best(1.0, 6) == 3
     gate.observe_step([99], [0], 0.01)                  # an unknown request: ignored
+
+
+def test_finished_requests_teach_the_ratios_of_those_not_yet_timed():
+    """A timed request not yet timed itself takes the median ratio its predecessors measured; a
+    sampled (untimed) one keeps the model, so its budgets follow from its seed alone."""
+    gate = DraftGate(OPTIONS, GateConfig(min_timed=2))
+    for seq, ratio in ((1, 1.5), (2, 1.7), (3, 1.6)):
+        gate.budget(seq)
+        for _ in range(2):
+            gate.observe_step([seq], [3], 0.010 * ratio)
+            gate.observe_step([seq], [0], 0.010)
+        assert gate.measured_ratio(3, seq) == pytest.approx(ratio)
+        gate.release(seq)
+        assert gate.cost_ratio(3, 9) == (1.45 if seq < 3 else pytest.approx(1.6))    # 3 needed
+    gate.budget(9)
+    assert gate.cost_ratio(3, 9) == pytest.approx(1.6) and gate.cost_ratio(1, 9) == 1.2   # never timed: model
+    assert gate.cost_ratio(3, 9, timed=False) == 1.45
+    assert DraftGate(OPTIONS, GateConfig(learned=0)).cost_ratio(3, 9) == 1.45
+
+
+def test_drafting_must_beat_plain_decoding_by_the_margin():
+    option = (GateOption(1, 0.22, 1.2),)              # 1.22 / 1.2: 1.7% more tokens per time
+    assert DraftGate(option).best(1.0) == 0
+    assert DraftGate(option, GateConfig(margin=0.0)).best(1.0) == 1
+    with pytest.raises(ValueError, match="margin"):
+        GateConfig(margin=-0.1)
 
 
 def test_probe_steps_time_plain_decoding_and_turn_off_what_does_not_pay():
@@ -218,6 +260,9 @@ class _Rotating:
 
     def observe_step(self, seq_ids, budgets, time_s):
         pass
+
+    def modelled(self, seq_id):
+        return 1.0, 1.0
 
     def release(self, seq_id):
         pass

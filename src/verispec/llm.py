@@ -44,6 +44,8 @@ class RequestMetrics:
     draft_budgets: dict[int, int] = field(default_factory=dict)   # the estimator's budget -> steps (0: plain)
     draft_time_s: float = 0.0              # in the drafter's propose
     verify_time_s: float = 0.0             # target forward + acceptance + cache compaction
+    modelled_speedup: float | None = None  # the draft-budget estimator's expected decode speed-up
+                                           # over plain steps, from its choices (None: no estimator)
     acceptance: str = "lossless"           # the acceptance rule's name
     lossy: bool = False                    # True: a lossy rule (opt-in) decided what was kept
 
@@ -291,7 +293,8 @@ class LLM:
             num_accepted_tokens=st.num_accepted_tokens, mean_acceptance_length=st.mean_acceptance_length,
             acceptance_rate_per_pos=st.acceptance_rate_per_pos, draft_budgets=dict(sorted(st.budgets.items())),
             draft_time_s=st.draft_time_s,
-            verify_time_s=st.verify_time_s, acceptance=st.acceptance, lossy=st.lossy)
+            verify_time_s=st.verify_time_s, modelled_speedup=st.modelled_speedup, acceptance=st.acceptance,
+            lossy=st.lossy)
         return RequestOutput(seq.seq_id, prompt_text, list(seq.prompt_ids), text, list(seq.output_ids),
                              seq.finish_reason or "length", m,
                              list(seq.logprobs) if seq.logprobs is not None else None,

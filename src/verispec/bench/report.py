@@ -29,7 +29,8 @@ OVERALL = "overall"
 PLOTS = ("speedup_per_category.png", "acceptance_per_position.png", "speedup_vs_batch.png",
          "tokens_per_s_vs_batch.png")
 _STATS_KEYS = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
-               "accepted_per_pos", "draft_time_s", "verify_time_s")
+               "accepted_per_pos", "draft_time_s", "verify_time_s", "overhead_time_s", "modelled_tokens",
+               "modelled_cost")
 
 
 @dataclass
@@ -56,6 +57,10 @@ class Summary:
     peak_rss_mib: float | None = None
     rss_increase_mib: float | None = None
     drafted_share: float | None = None     # steps that verified a draft, of all steps
+    decode_tokens_per_s: float | None = None   # tokens over the decoding steps' time (prefill left out)
+    decode_speedup: float | None = None        # that rate over vanilla's: the measured decode speed-up
+    modelled_speedup: float | None = None      # the draft-budget estimator's expected decode speed-up
+    modelled_tokens_per_step: float | None = None   # and the tokens per step it expected
     compared: int = 0
     identical: int = 0
     ties: int = 0
@@ -84,6 +89,11 @@ def _aggregate(method: str, category: str, batch: int, records: list[RunRecord])
                 st.mean_acceptance_length,
                 st.num_emitted_tokens / st.num_steps if st.num_steps else None, st.acceptance_rate_per_pos)
     s.drafted_share = st.num_drafts / st.num_steps if st.num_steps else None
+    step_s = st.draft_time_s + st.verify_time_s + st.overhead_time_s
+    s.decode_tokens_per_s = st.num_emitted_tokens / step_s if step_s > 0 else None
+    s.modelled_speedup = st.modelled_speedup
+    if st.modelled_cost > 0 and st.num_steps:
+        s.modelled_tokens_per_step = st.modelled_tokens / st.num_steps
     if wall > 0 and all(r.draft_s is not None and r.verify_s is not None for r in records):
         draft, verify = sum(r.draft_s for r in records), sum(r.verify_s for r in records)
         s.draft_frac, s.verify_frac = draft / wall, verify / wall
@@ -116,6 +126,9 @@ def summarize(result: BenchResult) -> list[Summary]:
             ref = out.get((base, cat, b))
             if ref is not None and ref.tokens_per_s > 0:
                 setattr(s, attr, s.tokens_per_s / ref.tokens_per_s)
+        ref = out.get(("vanilla", cat, b))
+        if ref is not None and ref.decode_tokens_per_s and s.decode_tokens_per_s:
+            s.decode_speedup = s.decode_tokens_per_s / ref.decode_tokens_per_s
     order = {m.name: i for i, m in enumerate(result.methods)}
     cats = _categories(result)
     return sorted(out.values(), key=lambda s: (s.batch_size, order.get(s.method, 99),
@@ -208,6 +221,32 @@ def _detail_table(result: BenchResult, summaries: list[Summary], batch: int) -> 
                      "peak RSS MiB", "RSS increase MiB", "identical to vanilla"], rows)
 
 
+MODEL_NOTE = ("Modelled: what the draft-budget estimator expected of the steps it chose, each step's "
+              "expected tokens and cost over a plain step's (`DraftGate.modelled`), summed per method. "
+              "Measured: tokens per step, and tokens per second of decoding-step time (prefill left out) "
+              "over vanilla's. Gap: modelled over measured speed-up, minus 1.")
+
+
+def _model_table(result: BenchResult, summaries: list[Summary], batch: int) -> list[str]:
+    """Per method with an estimator: modelled and measured tokens per step and decode speed-up."""
+    idx, rows = _index(summaries), []
+    for m in result.available():
+        s = idx.get((m.name, OVERALL, batch))
+        if s is None or s.modelled_speedup is None:
+            continue
+        gap = None if not s.decode_speedup else s.modelled_speedup / s.decode_speedup - 1.0
+        worst = max((c for c in _categories(result) if (c_s := idx.get((m.name, c, batch))) is not None
+                     and c_s.modelled_speedup and c_s.decode_speedup),
+                    key=lambda c: abs(idx[(m.name, c, batch)].modelled_speedup
+                                      / idx[(m.name, c, batch)].decode_speedup - 1.0), default=None)
+        w = idx[(m.name, worst, batch)] if worst else None
+        rows.append([m.name, _f(s.modelled_tokens_per_step), _f(s.tokens_per_step), _x(s.modelled_speedup),
+                     _x(s.decode_speedup), "–" if gap is None else f"{gap:+.0%}",
+                     "–" if w is None else f"{worst} {w.modelled_speedup / w.decode_speedup - 1.0:+.0%}"])
+    return _table(["Method", "tokens/step, modelled", "measured", "decode speed-up, modelled", "measured", "gap",
+                   "largest gap of a category"], rows) if rows else []
+
+
 def _batch_table(result: BenchResult, summaries: list[Summary]) -> list[str]:
     idx, batches = _index(summaries), sorted(result.config["batch_sizes"])
     rows = []
@@ -275,6 +314,9 @@ def suite_markdown(result: BenchResult, summaries: list[Summary]) -> list[str]:
     out += category_table(result, summaries, b, lambda s: _f(s and s.tokens_per_s, 1))
     for batch in sorted(result.config["batch_sizes"]):
         out += ["", f"### Overall per method (batch {batch})", ""] + _detail_table(result, summaries, batch)
+    model = _model_table(result, summaries, b)
+    if model:
+        out += ["", f"### Modelled vs measured, decoding steps (batch {b})", "", MODEL_NOTE, ""] + model
     if len(result.config["batch_sizes"]) > 1:
         out += ["", "### Batch sweep (overall)", ""] + _batch_table(result, summaries)
         out += ["", "Where speculation stops paying:", ""]

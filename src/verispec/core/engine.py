@@ -447,8 +447,12 @@ class Engine:
         trees, caps = self._propose(seqs, budget)                             # 1) propose
         t1 = time.perf_counter()
         if self._drafter is not None:
-            for s, cap in zip(seqs, caps):
+            for s, cap, tree in zip(seqs, caps, trees):
                 s.stats.observe_budget(cap)
+                if self.gate is not None:             # the estimator's model, to set beside the outcome
+                    model = self.gate.modelled(s.seq_id) if len(tree) else (1.0, 1.0)
+                    s.stats.observe_model(*model)
+                    self.stats.observe_model(*model)
         batch, out = self._verify_forward(seqs, trees)                        # 2) verify
         t2 = time.perf_counter()
         decided = self._accept(seqs, batch, out)                              # 3) accept

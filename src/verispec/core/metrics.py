@@ -25,6 +25,8 @@ class SpecStats:
                                      # cache compaction, drafter hand-over, emission)
     budgets: dict = field(default_factory=dict)   # draft budget -> steps given it (0: plain; the
                                      # draft-budget estimator's choice, capped by room and any policy)
+    modelled_tokens: float = 0.0     # the draft-budget estimator's expected tokens, summed over steps
+    modelled_cost: float = 0.0       # and its expected step costs, in plain steps (``DraftGate.modelled``)
     acceptance: str = "lossless"     # the engine's acceptance rule (``acceptance.AcceptanceRule.name``)
     lossy: bool = False              # True: that rule does not keep the target distribution
 
@@ -42,7 +44,8 @@ class SpecStats:
 
     def merge(self, other: "SpecStats") -> None:
         for name in ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "num_emitted_tokens", "draft_time_s", "verify_time_s", "overhead_time_s"):
+                     "num_emitted_tokens", "draft_time_s", "verify_time_s", "overhead_time_s",
+                     "modelled_tokens", "modelled_cost"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.budgets.items():
             self.budgets[k] = self.budgets.get(k, 0) + v
@@ -55,6 +58,16 @@ class SpecStats:
     def observe_budget(self, budget: int) -> None:
         """Record the draft budget one step gave the sequence (0: a plain step)."""
         self.budgets[budget] = self.budgets.get(budget, 0) + 1
+
+    def observe_model(self, tokens: float, cost: float) -> None:
+        """Record the estimator's model of one step: its expected tokens and cost (plain step = 1)."""
+        self.modelled_tokens += tokens
+        self.modelled_cost += cost
+
+    @property
+    def modelled_speedup(self) -> float | None:
+        """The decode speed-up over plain steps that the estimator expected (None: no estimator)."""
+        return self.modelled_tokens / self.modelled_cost if self.modelled_cost > 0 else None
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -78,6 +91,7 @@ class SpecStats:
             "draft_budgets": {str(k): v for k, v in sorted(self.budgets.items())},
             "draft_time_s": self.draft_time_s, "verify_time_s": self.verify_time_s,
             "overhead_time_s": self.overhead_time_s,
+            "modelled_tokens": self.modelled_tokens, "modelled_cost": self.modelled_cost,
             "acceptance": self.acceptance, "lossy": self.lossy,
         }
 

@@ -48,6 +48,14 @@ context: an engine serves short and long prompts one after another, and a reques
 drafting is often a long one (summaries, retrieval), whose plain steps would make every
 drafted step of a short one look cheap.
 
+Until a request is timed itself, its ratios are the median of those that the engine's finished
+requests measured (``GateConfig.learned``), when at least three did: the load-time model comes from
+the fastest of a few isolated forwards, so it runs low beside whole engine steps. Every budget's
+tokens per time must beat a plain step's by ``GateConfig.margin`` (3%): near break-even the
+estimate's noise decides, and a plain step is the choice that is never slower. For each step the
+gate also states the model behind its choice (``modelled``: expected tokens and cost ratio), which
+the engine sums per request, so that the benchmarks set the expected speed-up beside the measured.
+
 At batch > 1 the ratios are the batch's (``batch_cost.BatchCosts``: modelled from the measured
 verify curve at B x (1 + m) rows, then measured per batch-size bucket, with plain probe steps of
 the whole batch); ``plan`` decides all requests of a step at its batch size. A request whose best
@@ -86,6 +94,10 @@ class GateConfig:
     use_step_times: bool = True  # False: step times are ignored at every batch size (no probes, no
                                  # measured ratios): decisions follow the modelled costs and the
                                  # acceptance alone, the same on every machine (pinned step costs)
+    margin: float = 0.03       # drafting must beat plain decoding's tokens per time by this share:
+                               # the estimates are noisy, and near break-even a plain step is the safe choice
+    learned: int = 16          # finished requests whose measured ratios, per budget, stand in for the
+                               # modelled ones in a timed request not yet timed itself
 
     def __post_init__(self) -> None:
         if self.window < 1 or not self.prior_steps >= 0.0 or self.trial < 1:
@@ -97,6 +109,8 @@ class GateConfig:
             raise ValueError(f"need 1 <= min_timed <= time_window, got {self.min_timed}, {self.time_window}")
         if self.probe_every < 4:
             raise ValueError(f"need probe_every >= 4, got {self.probe_every}")
+        if not 0.0 <= self.margin < 1.0 or self.learned < 0:
+            raise ValueError(f"need 0 <= margin < 1 and learned >= 0, got {self.margin}, {self.learned}")
 
 
 @dataclass(frozen=True)
@@ -141,6 +155,7 @@ class _SeqState:
     times: dict = field(default_factory=dict)   # budget -> its latest batch-1 step times (s)
     timed: bool = False        # its latest step was timed (batch 1, greedy): probes measure plain steps
     since_plain: int = 0       # drafted steps since its latest plain step
+    model: tuple = (1.0, 1.0)  # this step's modelled (tokens, cost over a plain step's): ``modelled``
 
 
 @dataclass
@@ -177,6 +192,8 @@ class DraftGate:
         self.options, self.config, self.costs = options, config, costs
         self._by_nodes = {o.nodes: o for o in options}
         self._seqs: dict[int, _SeqState] = {}
+        self._learned: dict[int, deque] = {}          # budget -> measured ratios of finished requests
+        self._learned_ratio: dict[int, float] = {}    # budget -> their median (3 or more)
         self.stats = GateStats()
 
     # -- costs -------------------------------------------------------------------------------------
@@ -192,10 +209,11 @@ class DraftGate:
             if self.costs is None:
                 return lambda nodes: self._by_nodes[nodes].cost_ratio
             return lambda nodes: self.costs.ratio(batch_size, nodes, timed)
-        measured = self._measured(seq_id)
+        measured, learned = self._measured(seq_id), (self._learned_ratio if timed else {})
 
         def ratio(nodes: int) -> float:
             r = measured(nodes)
+            r = learned.get(nodes) if r is None else r
             return self._by_nodes[nodes].cost_ratio if r is None else r
         return ratio
 
@@ -220,12 +238,22 @@ class DraftGate:
         """The budget (0: plain) with the most tokens per time when the profile is scaled by
         ``scale`` (one number, or one factor per depth: ``GateOption.accepted``), at the cost
         ratios of a step of ``batch_size`` (``cost_ratio``)."""
-        best, value, ratio = 0, 1.0, self._ratios(seq_id, batch_size, timed)
+        return self._choose(scale, seq_id, batch_size, timed)[0]
+
+    def _choose(self, scale, seq_id, batch_size, timed, first: bool = False) -> tuple[int, float, float]:
+        """``best`` with its model: (budget, modelled tokens of the step, its cost ratio); with
+        ``first``, the model of the first option instead. A budget must beat plain decoding by the
+        config's ``margin``."""
+        ratio = self._ratios(seq_id, batch_size, timed)
+        if first:
+            o = self.options[0]
+            return o.nodes, 1.0 + o.accepted(scale), ratio(o.nodes)
+        choice, value = (0, 1.0, 1.0), 1.0 + self.config.margin
         for o in self.options:
-            v = (1.0 + o.accepted(scale)) / ratio(o.nodes)
-            if v > value + 1e-12:
-                best, value = o.nodes, v
-        return best
+            tokens, r = 1.0 + o.accepted(scale), ratio(o.nodes)
+            if tokens / r > value + 1e-12:
+                choice, value = (o.nodes, tokens, r), tokens / r
+        return choice
 
     @property
     def by_depth(self) -> bool:
@@ -326,27 +354,29 @@ class DraftGate:
             self.stats.trials += 1
         cal = self.calibration(seq_id)
         if st.mode is Mode.TRIAL:                     # the budget the request's history favours
-            best = self.best(cal, seq_id, batch_size, timed)
-            if best == 0 and batch_size > 1:
+            choice = self._choose(cal, seq_id, batch_size, timed)
+            if choice[0] == 0 and batch_size > 1:
                 return self._plain(st)                # too dear at this batch size: not now
-            st.budget = best or self.options[0].nodes
+            if choice[0] == 0:                        # a trial drafts at least the first node
+                choice = self._choose(cal, seq_id, batch_size, timed, first=True)
         else:
             if self._probe_due(st):
                 self.stats.probes += 1
                 return self._plain(st)
-            st.budget = self.best(cal, seq_id, batch_size, timed)
-            if st.budget == 0 and batch_size > 1 and self.best(cal, seq_id) > 0:
+            choice = self._choose(cal, seq_id, batch_size, timed)
+            if choice[0] == 0 and batch_size > 1 and self.best(cal, seq_id) > 0:
                 return self._plain(st)                # the batch's cost, not the acceptance
-            if st.budget == 0:                        # plain beats every prefix: stop drafting
+            if choice[0] == 0:                        # plain beats every prefix: stop drafting
                 self._wait(st, self.config.min_wait)
                 return self.budget(seq_id, batch_size, timed)
+        st.budget, st.model = choice[0], choice[1:]
         st.since_plain += 1
         self.stats.drafted += 1
         self.stats.budgets[st.budget] = self.stats.budgets.get(st.budget, 0) + 1
         return st.budget
 
     def _plain(self, st: _SeqState) -> int:
-        st.budget, st.since_plain = 0, 0
+        st.budget, st.since_plain, st.model = 0, 0, (1.0, 1.0)
         self.stats.plain += 1
         return 0
 
@@ -357,6 +387,15 @@ class DraftGate:
         every = self.config.probe_every
         short = len(st.times.get(0, ())) < self.config.min_timed
         return st.since_plain >= (every // 4 if short else every)
+
+    def modelled(self, seq_id: int) -> tuple[float, float]:
+        """The model behind the request's budget this step: the tokens it expects the step to
+        emit (1 + modelled accepted, with the request's calibration) and the step's cost over a
+        plain step's (measured where timed, else modelled). A plain step is (1, 1); so over a
+        request, the sum of the first over the sum of the second is the speed-up over plain
+        decoding the estimator expected, to set beside the one measured."""
+        st = self._seqs.get(seq_id)
+        return (1.0, 1.0) if st is None else st.model
 
     def observe(self, seq_id: int, drafted: int, accepted: int) -> None:
         """A step of ``seq_id`` verified ``drafted`` draft nodes and accepted ``accepted``.
@@ -409,7 +448,16 @@ class DraftGate:
             self.costs.observe(len(seq_ids), max(budgets), time_s)
 
     def release(self, seq_id: int) -> None:
+        """The request ended: its measured cost ratios join the learned ones (``GateConfig.learned``)."""
+        measured = self._measured(seq_id) if self.config.learned else None
         self._seqs.pop(seq_id, None)
+        for o in self.options if measured is not None else ():
+            r = measured(o.nodes)
+            if r is not None:
+                seen = self._learned.setdefault(o.nodes, deque(maxlen=self.config.learned))
+                seen.append(r)
+                if len(seen) >= 3:
+                    self._learned_ratio[o.nodes] = statistics.median(seen)
 
     def mode(self, seq_id: int) -> Mode | None:
         """The request's current mode (None: unknown request)."""
