@@ -29,7 +29,9 @@ n0 E)``. Each step it drafts the budget ``m`` with the best
 stops drafting for ``min_wait`` steps, then drafts a trial of ``trial`` steps (the budget its
 history favours, at least the first node): if the trial's own ``c`` makes some prefix pay, it
 drafts again with the trial as its window, otherwise it waits twice as long (at most
-``max_wait``) before the next trial. Acceptance changes within an answer (a list, an equation,
+``max_wait``) before the next trial. A trial whose first half accepts nothing ends there, as a
+failed one: on a long context a drafted step costs some 40% more than a plain one, so a
+hopeless request's trials were most of what it lost. Acceptance changes within an answer (a list, an equation,
 a passage quoted from the prompt), so a stopped request is tried again, at a cost that shrinks
 the longer it keeps failing.
 
@@ -408,9 +410,11 @@ class DraftGate:
             st.steps.append(step)
             return
         st.trial_steps.append(step)
-        if len(st.trial_steps) < self.config.trial:
+        n = len(st.trial_steps)
+        hopeless = n >= max(1, self.config.trial // 2) and not any(a for a, _ in st.trial_steps)
+        if n < self.config.trial and not hopeless:
             return
-        if self.best(self._trial_calibration(st.trial_steps), seq_id) > 0:
+        if not hopeless and self.best(self._trial_calibration(st.trial_steps), seq_id) > 0:
             st.mode = Mode.DRAFT                      # the trial's steps start a new window
             st.steps = deque(st.trial_steps, maxlen=self.config.window)
         else:
