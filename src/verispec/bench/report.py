@@ -227,22 +227,27 @@ MODEL_NOTE = ("Modelled: what the draft-budget estimator expected of the steps i
               "over vanilla's. Gap: modelled over measured speed-up, minus 1.")
 
 
+def _model_gap(s: Summary | None) -> float | None:
+    """Modelled over measured decode speed-up, minus 1 (None where either is missing)."""
+    if s is None or not s.modelled_speedup or not s.decode_speedup:
+        return None
+    return s.modelled_speedup / s.decode_speedup - 1.0
+
+
 def _model_table(result: BenchResult, summaries: list[Summary], batch: int) -> list[str]:
-    """Per method with an estimator: modelled and measured tokens per step and decode speed-up."""
+    """Per method with an estimator: modelled and measured tokens per step and decode speed-up,
+    the gap between the two speed-ups, and the category where that gap is largest."""
     idx, rows = _index(summaries), []
     for m in result.available():
         s = idx.get((m.name, OVERALL, batch))
         if s is None or s.modelled_speedup is None:
             continue
-        gap = None if not s.decode_speedup else s.modelled_speedup / s.decode_speedup - 1.0
-        worst = max((c for c in _categories(result) if (c_s := idx.get((m.name, c, batch))) is not None
-                     and c_s.modelled_speedup and c_s.decode_speedup),
-                    key=lambda c: abs(idx[(m.name, c, batch)].modelled_speedup
-                                      / idx[(m.name, c, batch)].decode_speedup - 1.0), default=None)
-        w = idx[(m.name, worst, batch)] if worst else None
+        gaps = {c: g for c in _categories(result) if (g := _model_gap(idx.get((m.name, c, batch)))) is not None}
+        worst = max(gaps, key=lambda c: abs(gaps[c]), default=None)
+        gap = _model_gap(s)
         rows.append([m.name, _f(s.modelled_tokens_per_step), _f(s.tokens_per_step), _x(s.modelled_speedup),
                      _x(s.decode_speedup), "–" if gap is None else f"{gap:+.0%}",
-                     "–" if w is None else f"{worst} {w.modelled_speedup / w.decode_speedup - 1.0:+.0%}"])
+                     "–" if worst is None else f"{worst} {gaps[worst]:+.0%}"])
     return _table(["Method", "tokens/step, modelled", "measured", "decode speed-up, modelled", "measured", "gap",
                    "largest gap of a category"], rows) if rows else []
 
