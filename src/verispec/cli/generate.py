@@ -116,7 +116,7 @@ def cmd_generate(args) -> int:
         print(f"[the draft-budget estimator expected {m.modelled_speedup:.2f}x over plain decoding steps for "
               f"this answer; steps per draft budget: {m.draft_budgets}]", file=sys.stderr)
     if vanilla is not None:
-        after = vanilla.after(llm, prompt, params)
+        after = vanilla.after()
         v = after.tokens_per_second
         print(f"[vanilla (no speculation, same weights): {v:.1f} tokens/s (mean of a run before and one after); "
               f"speed-up {m.tokens_per_second / max(v, 1e-9):.2f}x; outputs identical: "
@@ -138,16 +138,18 @@ class _VanillaRuns:
 
         from .. import LLM
         self.plain = LLM(loaded=llm.target, max_num_seqs=1, compile=llm.compiled is not None)
+        self.prompt, self.params = prompt, params
         warm = dataclasses.replace(params, max_tokens=min(8, params.max_tokens))
         for engine in (self.plain, llm):
             engine.generate([self.WARM_PROMPT], warm)
         self.before = self.plain.generate([prompt], params)[0]
         self.metrics = self.before.metrics
 
-    def after(self, llm, prompt, params):
-        """The run after, and the mean rate of both (``tokens_per_second``), with its ids."""
+    def after(self):
+        """The run after, and the mean rate of both (``tokens_per_second``), with their ids
+        (None when the two vanilla runs differ)."""
         from types import SimpleNamespace
-        again = self.plain.generate([prompt], params)[0]
+        again = self.plain.generate([self.prompt], self.params)[0]
         tokens = again.metrics.num_output_tokens + self.before.metrics.num_output_tokens
         seconds = again.metrics.time_s + self.before.metrics.time_s
         return SimpleNamespace(tokens_per_second=tokens / seconds if seconds > 0 else 0.0,

@@ -31,9 +31,9 @@ history favours, at least the first node): if the trial's own ``c`` makes some p
 drafts again with the trial as its window, otherwise it waits twice as long (at most
 ``max_wait``) before the next trial. A trial whose first half accepts nothing ends there, as a
 failed one: on a long context a drafted step costs some 40% more than a plain one, so a
-hopeless request's trials were most of what it lost. Acceptance changes within an answer (a list, an equation,
-a passage quoted from the prompt), so a stopped request is tried again, at a cost that shrinks
-the longer it keeps failing.
+hopeless request's trials were most of what it lost. Acceptance changes within an answer (a
+list, an equation, a passage quoted from the prompt), so a stopped request is tried again, at a
+cost that shrinks the longer it keeps failing.
 
 ``R_m`` is the modelled ratio until batch-1 steps of budget ``m`` and plain steps of the same
 request have both been timed (``observe_step``): then the ratio of the medians of the last
@@ -242,20 +242,19 @@ class DraftGate:
         ratios of a step of ``batch_size`` (``cost_ratio``)."""
         return self._choose(scale, seq_id, batch_size, timed)[0]
 
-    def _choose(self, scale, seq_id, batch_size, timed, first: bool = False) -> tuple[int, float, float]:
-        """``best`` with its model: (budget, modelled tokens of the step, its cost ratio); with
-        ``first``, the model of the first option instead. A budget must beat plain decoding by the
-        config's ``margin``."""
+    def _choose(self, scale, seq_id, batch_size, timed, floor: bool = False) -> tuple[int, float, float]:
+        """``best`` with its model: (budget, modelled tokens of the step, its cost ratio). A budget
+        must beat plain decoding by the config's ``margin``; with ``floor`` (a trial) the first
+        option stands in for plain when nothing does."""
         ratio = self._ratios(seq_id, batch_size, timed)
-        if first:
-            o = self.options[0]
-            return o.nodes, 1.0 + o.accepted(scale), ratio(o.nodes)
         choice, value = (0, 1.0, 1.0), 1.0 + self.config.margin
         for o in self.options:
             tokens, r = 1.0 + o.accepted(scale), ratio(o.nodes)
+            if floor and o is self.options[0]:
+                first = (o.nodes, tokens, r)
             if tokens / r > value + 1e-12:
                 choice, value = (o.nodes, tokens, r), tokens / r
-        return choice
+        return first if floor and choice[0] == 0 else choice
 
     @property
     def by_depth(self) -> bool:
@@ -356,11 +355,9 @@ class DraftGate:
             self.stats.trials += 1
         cal = self.calibration(seq_id)
         if st.mode is Mode.TRIAL:                     # the budget the request's history favours
-            choice = self._choose(cal, seq_id, batch_size, timed)
-            if choice[0] == 0 and batch_size > 1:
+            choice = self._choose(cal, seq_id, batch_size, timed, floor=batch_size == 1)
+            if choice[0] == 0:                        # (at batch 1 a trial drafts at least the first node)
                 return self._plain(st)                # too dear at this batch size: not now
-            if choice[0] == 0:                        # a trial drafts at least the first node
-                choice = self._choose(cal, seq_id, batch_size, timed, first=True)
         else:
             if self._probe_due(st):
                 self.stats.probes += 1
