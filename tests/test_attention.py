@@ -63,6 +63,20 @@ def test_a_row_never_depends_on_other_rows_threads_or_gaps():
     assert torch.equal(strided, full)
 
 
+@pytest.mark.parametrize("h,kvh,d", [(12, 1, 32), (9, 3, 64), (12, 2, 128)])
+def test_heads_run_together_over_their_keys_with_the_bits_of_one_head(h, kvh, d):
+    """Query heads of one kv head share its key blocks (in groups of up to 8, halved to feed the
+    threads): each head's output is the one it gets alone (a per-head mask runs heads one by one)."""
+    q, k, v, mask = _inputs(b=1, h=h, kvh=kvh, t=3, s=300, d=d)
+    together = _op(q, k, v, mask, threads=2)
+    alone = _op(q, k, v, mask.expand(-1, h, -1, -1), threads=1)
+    assert torch.equal(together, alone)
+    for t in range(3):
+        assert torch.equal(_op(q[:, :, t:t + 1], k, v, mask[:, :, t:t + 1], threads=2), together[:, :, t:t + 1])
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(together.double(), want, rtol=1e-5, atol=2e-6)
+
+
 def test_the_output_is_a_free_view_and_a_blind_row_is_zero():
     q, k, v, mask = _inputs()
     mask[1, 0, 2] = False
