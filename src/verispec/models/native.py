@@ -1,9 +1,14 @@
 """Builds verispec's C++ ops (``csrc/``) on first use with ``torch.utils.cpp_extension``.
 
 Contract
-- ``build(name, source)`` compiles ``csrc/<source>`` into an importable module (once per machine:
-  the build is cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``, under a file lock,
-  so concurrent processes build it once) and returns it; it raises what the build raised.
+- ``build(name, source)`` compiles ``csrc/<source>`` into an importable module (once per machine
+  and source: the build is cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``, under
+  ``verispec/<name>-<hash>``, the hash of the sources, flags, torch and Python, so two checkouts
+  with different sources never rebuild each other's op) and returns it; it raises what the build
+  raised. Concurrent processes build it once: they queue on an OS lock (``flock``), which the
+  kernel releases when its holder dies. torch's own lock file is a plain file that a killed build
+  leaves behind, after which every later load waited forever without a word; under the OS lock
+  such a file can only be stale, so it is removed, with a warning.
 - ``failure(exc, source)`` turns a build error into one line (the compiler's first error), for
   the callers' fallback warnings.
 - FBGEMM's public headers include asmjit only for register types of its code generators, which
@@ -11,9 +16,12 @@ Contract
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -34,11 +42,48 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
 
 
+def build_dir(name: str, source: str) -> Path:
+    """Where ``build`` keeps the op: one folder per content of its sources (the op's file and
+    every header of ``csrc/``), flags, torch and Python."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+    h = hashlib.sha256(f"{FLAGS}|{torch.__version__}|{sys.version}".encode())
+    for f in [CSRC / source, *sorted(CSRC.rglob("*.h"))]:
+        h.update(str(f.relative_to(CSRC)).encode() + b"\0" + f.read_bytes())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / "verispec" / f"{name}-{h.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _os_lock(folder: Path):
+    """Hold an exclusive ``flock`` on ``folder/verispec.lock`` (released by the kernel if the
+    holder dies); remove torch's lock file there, which only a killed build can have left."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:                                  # no flock: torch's lock alone
+        yield
+        return
+    with open(folder / "verispec.lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                warnings.warn(f"verispec: removing {stale}, left by a build that was killed", RuntimeWarning,
+                              stacklevel=4)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build(name: str, source: str):
     from torch.utils.cpp_extension import load
     _ninja_on_path()
-    return load(name=name, sources=[str(CSRC / source)], extra_include_paths=[str(CSRC)],
-                extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    folder = build_dir(name, source)
+    with _os_lock(folder):
+        return load(name=name, sources=[str(CSRC / source)], extra_include_paths=[str(CSRC)],
+                    extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 
 def failure(exc: Exception, source: str) -> str:
@@ -77,8 +122,6 @@ class NativeOp:
         return self._reason
 
     def _load(self):
-        import warnings
-
         import torch
         why = self._off() if self._off else None
         if why is None and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
