@@ -156,13 +156,40 @@ def sloped(batch: int, width: int) -> float:
     return 0.001 * (10.0 + 2.0 * (batch * (1 + width) - 1))
 
 
+MILD = tuple((t, 10.0 + 1.0 * (t - 1)) for t in (1, 2, 4, 8, 16, 32, 64))      # each row costs 10%
+
+
+def mild(batch: int, width: int) -> float:
+    return 0.001 * (10.0 + 1.0 * (batch * (1 + width) - 1))
+
+
 def test_acceptance_learned_at_one_batch_size_is_used_at_another():
-    g = gate(verify=SLOPED)
-    Sim(sloped, 0.0, seed=5).run(g, [7], 40)                     # the drafts of request 7 are wrong
+    g = gate(verify=MILD)
+    Sim(mild, 0.0, seed=5).run(g, [7], 40)                       # the drafts of request 7 are wrong
     assert g.mode(7) is not Mode.DRAFT                           # stopped at batch 1
-    pair = Sim(sloped, 0.0, seed=6).run(g, [7, 8], 8)
-    assert all(b[0] == 0 for b in pair)                          # and stays stopped at batch 2
+    pair = Sim(mild, 0.0, seed=6).run(g, [7, 8], 8)
+    assert sum(b[0] > 0 for b in pair) <= g.config.trial // 2     # and stays stopped at batch 2 (one
+    assert g.mode(7) is not Mode.DRAFT                           # hopeless trial, cut at its half)
     assert sum(b[1] > 0 for b in pair) >= 1                      # while the new request tries
+
+
+def test_one_request_cannot_pay_for_a_batchs_wider_step():
+    """The verify forward is padded to the widest request: with each row costing 20%, a width-1
+    step of 8 requests costs 1.67 plain ones. One request accepting 95% of its drafts gains 1.95
+    tokens for that (worth it alone), the batch 8.95 tokens for 8 x 1.67: never drafted, while
+    eight such requests draft."""
+    g = gate(verify=SLOPED)
+    for i in range(1, 8):                                        # seven requests whose drafts fail
+        Sim(sloped, 0.0, seed=i).run(g, [i], 40)
+    assert all(g.mode(i) is not Mode.DRAFT for i in range(1, 8))
+    mixed = Sim(sloped, 0.95, seed=8).run(g, list(range(8)), 12)
+    assert all(b == [0] * 8 for b in mixed)
+    assert g.mode(0) is Mode.DRAFT                               # request 0 keeps drafting where it pays
+    assert Sim(sloped, 0.95, seed=9).run(g, [0], 4)[-1][0] > 0
+    h = gate(verify=tuple((t, 10.0 * max(1.0, t / 16)) for t in (1, 2, 4, 8, 16, 32, 64)))   # flat to 16 rows
+    good = Sim(lambda b, w: 0.010 * max(1.0, b * (1 + w) / 16), 0.95, seed=10).run(h, list(range(8)), 30)
+    assert all(len(set(b)) == 1 for b in good)                   # one width for the whole step
+    assert drafted_share(good[10:]) > 0.8
 
 
 def test_deterministic_given_the_observations():

@@ -60,9 +60,12 @@ the engine sums per request, so that the benchmarks set the expected speed-up be
 
 At batch > 1 the ratios are the batch's (``batch_cost.BatchCosts``: modelled from the measured
 verify curve at B x (1 + m) rows, then measured per batch-size bucket, with plain probe steps of
-the whole batch); ``plan`` decides all requests of a step at its batch size. A request whose best
-budget is 0 only because the batch is large (at batch 1 it would draft) takes a plain step and
-keeps its mode, so it drafts again as soon as the batch shrinks. This is the one draft-budget
+the whole batch); ``plan`` decides all requests of a step at its batch size. The verify forward is
+padded to the widest request, so a batch step costs the same whichever of its requests draft: a
+step of greedy requests drafts one width for all that want to draft (their own state machines at
+batch-1 costs say which), the width with the most tokens of the whole batch per time, or none. A
+request whose budget is 0 only because the batch is large (at batch 1 it would draft) takes a
+plain step and keeps its mode, so it drafts again as soon as the batch shrinks. This is the one draft-budget
 estimator: the engine asks it every step, for ``LLM.generate`` and the server alike.
 
 Lossless by construction: the gate only chooses how many draft nodes a request gets this step; a
@@ -158,6 +161,7 @@ class _SeqState:
     timed: bool = False        # its latest step was timed (batch 1, greedy): probes measure plain steps
     since_plain: int = 0       # drafted steps since its latest plain step
     model: tuple = (1.0, 1.0)  # this step's modelled (tokens, cost over a plain step's): ``modelled``
+    cal: object = 1.0          # its calibration when its budget was last decided (``calibration``)
 
 
 @dataclass
@@ -322,7 +326,48 @@ class DraftGate:
                 return [self._plain(self._state(i)) for i, _ in requests]
             if not self._may_pay(n):                  # no acceptance pays at this batch size: all
                 return [self._plain(self._state(i)) for i, _ in requests]   # plain, states kept
+            return self._plan_batch([i for i, _ in requests])
         return [self.budget(i, n, t) for i, t in requests]
+
+    def _plan_batch(self, seq_ids: Sequence[int]) -> list[int]:
+        """One width for a step of timed requests. The verify forward is padded to the widest
+        request, so the step costs ``R_m(B)`` of its widest budget ``m`` whichever requests draft:
+        one request's acceptance cannot pay for a batch's wider step. Each request's own state
+        machine says whether it drafts (``budget`` at batch-1 costs: its mode, trials and waits
+        follow its acceptance alone); the step then drafts the width ``m`` that gives the batch
+        the most tokens per time, ``(B + sum of E_i(m) over the drafting requests) / R_m(B)``,
+        if that beats ``B`` plain tokens by the margin. Every drafting request gets ``m``, or the
+        whole step is plain (the requests keep their modes)."""
+        n = len(seq_ids)
+        wish = [self.budget(i, 1, True) for i in seq_ids]
+        drafting = [self._seqs[i] for i, w in zip(seq_ids, wish) if w > 0]
+        if not drafting:
+            return wish
+        best, value, ratio = 0, n * (1.0 + self.config.margin), 1.0
+        for o in self.options:
+            r = self.costs.ratio(n, o.nodes)
+            tokens = n + sum(o.accepted(st.cal) for st in drafting)
+            if tokens / r > value + 1e-12:
+                best, value, ratio = o.nodes, tokens / r, r
+        for st in drafting:
+            self._assign(st, best, (1.0 + self._by_nodes[best].accepted(st.cal), ratio) if best else None)
+        return [best if w > 0 else 0 for w in wish]
+
+    def _assign(self, st: _SeqState, nodes: int, model: tuple | None) -> None:
+        """Replace the budget ``budget`` gave a request this step, and its counts, by ``nodes``."""
+        if st.budget:
+            self.stats.drafted -= 1
+            self.stats.budgets[st.budget] -= 1
+            if not self.stats.budgets[st.budget]:
+                del self.stats.budgets[st.budget]
+            st.since_plain -= 1
+        if nodes == 0:
+            self._plain(st)
+            return
+        st.budget, st.model = nodes, model
+        st.since_plain += 1
+        self.stats.drafted += 1
+        self.stats.budgets[nodes] = self.stats.budgets.get(nodes, 0) + 1
 
     def _may_pay(self, batch_size: int) -> bool:
         """Whether some budget could pay at ``batch_size`` if every draft token were accepted
@@ -353,7 +398,7 @@ class DraftGate:
                 return self._plain(st)
             st.mode, st.trial_steps = Mode.TRIAL, []
             self.stats.trials += 1
-        cal = self.calibration(seq_id)
+        cal = st.cal = self.calibration(seq_id)
         if st.mode is Mode.TRIAL:                     # the budget the request's history favours
             choice = self._choose(cal, seq_id, batch_size, timed, floor=batch_size == 1)
             if choice[0] == 0:                        # (at batch 1 a trial drafts at least the first node)
