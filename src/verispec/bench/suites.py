@@ -99,10 +99,6 @@ SUITES: tuple[Suite, ...] = (
                "spec_bench/exact_int8_smollm2", "Spec-Bench by method on SmolLM2 int8, against llama.cpp"),
     spec_bench("specbench-smollm2-int4-a8", SMOL, "int4-a8", ("vanilla", "ngram-x1", "llamacpp"), 2,
                "spec_bench/exact_int4_a8_smollm2", "Spec-Bench on SmolLM2 int4-a8 (W4A8), against llama.cpp"),
-    spec_bench("specbench-qwen-int4-a8", QWEN, "int4-a8", ("vanilla", "ngram-x1", "draft-v64k-k3", "llamacpp"), 2,
-               "spec_bench/exact_int4_a8_qwen_26",
-               "Spec-Bench by method on Qwen2.5-Coder-1.5B int4-a8 (its fastest weights), against llama.cpp",
-               QWEN_NEEDS),
     spec_bench("specbench-qwen-heads", QWEN, "int4-a8", ("vanilla", "eagle3", "hybrid", "suffix", "ngram-x1",
                                                         "draft-v64k-k3", "llamacpp", "llamacpp-draft", "llamacpp-pld"),
                2, "spec_bench/heads_int4_a8_qwen",
@@ -268,10 +264,10 @@ def get(name: str) -> Suite:
 # (suite, [methods]) rows of the table, in order: the current figure per model.
 TABLE_ROWS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("specbench-smollm2-int4", "exact-int4-smollm2", ("vanilla", "ngram-x1", "llamacpp")),
-    ("specbench-qwen-int4-a8", "exact-int4-a8-qwen-26", ("vanilla", "ngram-x1", "draft-v64k-k3", "llamacpp")),
     ("specbench-smollm2-heads-int4", "heads-int4-smollm2", ("vanilla", "eagle3", "medusa", "eagle", "suffix",
                                                             "hybrid")),
-    ("specbench-qwen-heads", "heads-int4-a8-qwen", ("vanilla", "eagle3", "suffix", "hybrid")),
+    ("specbench-qwen-heads", "heads-int4-a8-qwen", ("vanilla", "eagle3", "suffix", "hybrid", "ngram-x1",
+                                                    "draft-v64k-k3", "llamacpp", "llamacpp-draft", "llamacpp-pld")),
 )
 TABLE_BEGIN = "<!-- results table: python -m verispec.bench.suites table --write -->"
 TABLE_END = "<!-- end of results table -->"
@@ -279,7 +275,9 @@ METHOD_LABELS = {"vanilla": "vanilla (no speculation)", "ngram-x1": "ngram, `pro
                  "eagle3": "eagle3 (shipped head)", "eagle": "eagle (EAGLE-1, shipped head)",
                  "medusa": "medusa (shipped head)", "llamacpp": "llama.cpp vanilla, same GGUF",
                  "draft-v64k-k3": "draft_model 0.5B, k=3, 64k draft vocab", "suffix": "suffix (SuffixDecoding)",
-                 "hybrid": "hybrid (suffix or the EAGLE-3 head, per step)"}
+                 "hybrid": "hybrid (suffix or the EAGLE-3 head, per step)",
+                 "llamacpp-draft": "llama.cpp, 0.5B draft model (llama-cpp-python)",
+                 "llamacpp-pld": "llama.cpp, prompt lookup (llama-cpp-python)"}
 
 
 def _suite_result(suite: Suite, name: str) -> tuple[dict, Path]:
