@@ -21,7 +21,8 @@ from ..core.metrics import SpecStats
 
 #: method kinds: our engine without drafter, our engine with a speculative config, HF peers
 KINDS = ("vanilla", "engine", "hf", "hf-pld", "hf-assisted")
-PEER_KINDS = ("hf", "hf-pld", "hf-assisted", "llamacpp", "llamacpp-pld", "llamacpp-draft")
+PEER_KINDS = ("hf", "hf-pld", "hf-assisted", "llamacpp", "llamacpp-pld", "llamacpp-draft", "llama-server",
+              "llama-server-ngram", "llama-server-draft")
 
 
 class BenchError(ValueError):

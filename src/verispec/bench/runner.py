@@ -47,7 +47,8 @@ from .harness import machine_record
 from .records import PEER_KINDS, BenchError, BenchResult, FidelityRecord, GenResult, MethodSpec, RunRecord, stats_dict
 
 METHOD_NAMES = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix", "hybrid", "hf", "hf-pld",
-                "hf-assisted", "llamacpp", "llamacpp-pld", "llamacpp-draft")
+                "hf-assisted", "llamacpp", "llamacpp-pld", "llamacpp-draft", "llama-server", "llama-server-ngram",
+                "llama-server-draft")
 DEFAULT_METHODS = ("vanilla", "ngram", "draft_model", "hf", "hf-pld")
 #: EAGLE-2 ablation (paper, Table 5): ranking draft nodes by path value vs. the draft's own
 #: confidence, with and without reranking the expanded tree.
@@ -188,15 +189,15 @@ def _checkpoint(model_name: str, method: str) -> Path | None:
 
 def default_method_config(name: str, model_name: str, num_layers: int, overrides: dict) -> tuple[dict | None, str | None]:
     """(config, unavailable reason) of a built-in method name for this target."""
-    if name in ("vanilla", "hf", "llamacpp"):
+    if name in ("vanilla", "hf", "llamacpp", "llama-server", "llama-server-ngram"):
         return None, None
     if name == "llamacpp-pld":
         ngram = overrides.get("ngram") or default_method_config("ngram", model_name, num_layers, {})[0]
         return {"num_pred_tokens": ngram.get("num_speculative_tokens", 5)}, None
-    if name == "llamacpp-draft":
+    if name in ("llamacpp-draft", "llama-server-draft"):
         if model_name != QWEN_PAIR[0]:
-            return None, f"llamacpp-draft needs a draft GGUF: known for {QWEN_PAIR[0]} (give a config otherwise)"
-        return {"draft_model": QWEN_PAIR[1], "num_pred_tokens": 4}, None
+            return None, f"{name} needs a draft GGUF: known for {QWEN_PAIR[0]} (give a config otherwise)"
+        return {"draft_model": QWEN_PAIR[1], **({"num_pred_tokens": 4} if name == "llamacpp-draft" else {})}, None
     if name == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 5}, None
     if name == "draft_model":
@@ -291,6 +292,7 @@ class EngineRunner:
 
 def build_runners(specs: list[MethodSpec], loaded: LoadedModel, config: BenchConfig) -> tuple[list[MethodSpec], dict]:
     """Runners of the available methods (by name); methods failing to build become unavailable."""
+    from .llama_server import SERVER_KINDS, build_llama_server
     from .llamacpp import LLAMACPP_KINDS, build_llamacpp
     from .peers import PeerFactory
     peers = PeerFactory(loaded, config.hf_weights)
@@ -300,6 +302,8 @@ def build_runners(specs: list[MethodSpec], loaded: LoadedModel, config: BenchCon
             try:
                 if spec.kind in LLAMACPP_KINDS:
                     runners[spec.name] = build_llamacpp(spec.kind, loaded, spec.config)
+                elif spec.kind in SERVER_KINDS:
+                    runners[spec.name] = build_llama_server(spec.kind, loaded, spec.config)
                 elif spec.kind in PEER_KINDS:
                     runners[spec.name] = peers.build(spec.kind, spec.config)
                 else:   # LLM validates the config and builds the drafter (SpecConfigError)

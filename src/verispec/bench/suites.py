@@ -100,10 +100,12 @@ SUITES: tuple[Suite, ...] = (
     spec_bench("specbench-smollm2-int4-a8", SMOL, "int4-a8", ("vanilla", "ngram-x1", "llamacpp"), 2,
                "spec_bench/exact_int4_a8_smollm2", "Spec-Bench on SmolLM2 int4-a8 (W4A8), against llama.cpp"),
     spec_bench("specbench-qwen-heads", QWEN, "int4-a8", ("vanilla", "eagle3", "hybrid", "suffix", "ngram-x1",
-                                                        "draft-v64k-k3", "llamacpp", "llamacpp-draft", "llamacpp-pld"),
+                                                        "draft-v64k-k3", "llamacpp", "llamacpp-draft", "llamacpp-pld",
+                                                        "llama-server", "llama-server-ngram", "llama-server-draft"),
                2, "spec_bench/heads_int4_a8_qwen",
                "the shipped Qwen2.5-Coder-1.5B EAGLE-3 head on the fast path, against the 0.5B draft, suffix, "
-               "ngram and llama.cpp (vanilla, draft model, prompt lookup)", QWEN_NEEDS),
+               "ngram and llama.cpp (llama-cpp-python: vanilla, draft model, prompt lookup; llama-server: vanilla, "
+               "ngram-mod, draft-simple)", (*QWEN_NEEDS, "llama-server")),
     spec_bench("specbench-qwen-int4", QWEN, "int4", ("vanilla", "ngram", "ngram-x1", "draft-v64k", "llamacpp",
                                                      "llamacpp-draft"), 1, "spec_bench/exact_int4_qwen",
                "Spec-Bench on Qwen int4, against llama.cpp's vanilla and draft mode", QWEN_NEEDS),
@@ -267,7 +269,8 @@ TABLE_ROWS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("specbench-smollm2-heads-int4", "heads-int4-smollm2", ("vanilla", "eagle3", "medusa", "eagle", "suffix",
                                                             "hybrid")),
     ("specbench-qwen-heads", "heads-int4-a8-qwen", ("vanilla", "eagle3", "suffix", "hybrid", "ngram-x1",
-                                                    "draft-v64k-k3", "llamacpp", "llamacpp-draft", "llamacpp-pld")),
+                                                    "draft-v64k-k3", "llamacpp", "llamacpp-draft", "llamacpp-pld",
+                                                    "llama-server", "llama-server-ngram", "llama-server-draft")),
 )
 TABLE_BEGIN = "<!-- results table: python -m verispec.bench.suites table --write -->"
 TABLE_END = "<!-- end of results table -->"
@@ -277,7 +280,9 @@ METHOD_LABELS = {"vanilla": "vanilla (no speculation)", "ngram-x1": "ngram, `pro
                  "draft-v64k-k3": "draft_model 0.5B, k=3, 64k draft vocab", "suffix": "suffix (SuffixDecoding)",
                  "hybrid": "hybrid (suffix or the EAGLE-3 head, per step)",
                  "llamacpp-draft": "llama.cpp, 0.5B draft model (llama-cpp-python)",
-                 "llamacpp-pld": "llama.cpp, prompt lookup (llama-cpp-python)"}
+                 "llamacpp-pld": "llama.cpp, prompt lookup (llama-cpp-python)",
+                 "llama-server": "llama-server vanilla, same GGUF", "llama-server-ngram": "llama-server, ngram-mod",
+                 "llama-server-draft": "llama-server, 0.5B draft (draft-simple)"}
 
 
 def _suite_result(suite: Suite, name: str) -> tuple[dict, Path]:
