@@ -33,7 +33,7 @@ import torch
 from ..core.metrics import SpecStats
 from ..core.sampling import SamplingParams
 from ..models.loading import LoadedModel
-from .llamacpp import gguf_path
+from .llamacpp import ClosedWhenCollected, gguf_path, gguf_target
 from .records import BenchError, GenResult
 
 SERVER_KINDS = ("llama-server", "llama-server-ngram", "llama-server-draft")
@@ -64,7 +64,7 @@ def server_args(kind: str, options: dict) -> list[str]:
 
 
 @dataclass
-class LlamaServerRunner:
+class LlamaServerRunner(ClosedWhenCollected):
     """Runs one llama-server peer: ``generate(prompts, params) -> GenResult``, one prompt at a time."""
     kind: str
     path: Path
@@ -144,16 +144,8 @@ class LlamaServerRunner:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
 
 def build_llama_server(kind: str, loaded: LoadedModel, options: dict | None) -> LlamaServerRunner:
     """The peer for ``loaded`` (its GGUF file): ``BenchError`` when llama-server cannot run it."""
-    if loaded.format != "gguf":
-        raise BenchError(f"llama-server reads GGUF files; the target {loaded.name} was loaded from {loaded.format}")
-    eos = tuple(loaded.config.eos_token_ids) or (loaded.tokenizer.eos_token_id,)
-    return LlamaServerRunner(kind, Path(loaded.path), eos, loaded.tokenizer, dict(options or {}))
+    path, eos = gguf_target(loaded, "llama-server")
+    return LlamaServerRunner(kind, path, eos, loaded.tokenizer, dict(options or {}))

@@ -53,6 +53,27 @@ def gguf_path(name_or_path: str | Path) -> Path:
     return Path(src.path)
 
 
+def gguf_target(loaded: LoadedModel, peer: str) -> tuple[Path, tuple[int, ...]]:
+    """The GGUF file and the stop ids of the target ``loaded`` for a llama.cpp peer; ``BenchError``
+    for a target not loaded from a GGUF."""
+    if loaded.format != "gguf":
+        raise BenchError(f"{peer} reads GGUF files; the target {loaded.name} was loaded from {loaded.format}")
+    return Path(loaded.path), tuple(loaded.config.eos_token_ids) or (loaded.tokenizer.eos_token_id,)
+
+
+class ClosedWhenCollected:
+    """A peer that owns a process: ``close()`` runs when it is collected (quietly at shutdown)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
 def open_llama(path: Path, threads: int, n_ctx: int, draft=None):
     llama_cpp = _llama_cpp()
     return llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
@@ -138,7 +159,7 @@ def worker_main() -> None:
 
 
 @dataclass
-class LlamaCppRunner:
+class LlamaCppRunner(ClosedWhenCollected):
     """Runs one llama.cpp peer: ``generate(prompts, params) -> GenResult`` (one prompt at a time).
 
     llama.cpp runs in a worker process of its own: its OpenMP threads then wait the way llama.cpp
@@ -203,19 +224,11 @@ class LlamaCppRunner:
             self._proc.stdin.close()
             self._proc.wait(timeout=30)
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
 
 def build_llamacpp(kind: str, loaded: LoadedModel, options: dict | None) -> LlamaCppRunner:
     """The peer for ``loaded`` (its GGUF file): ``BenchError`` when llama.cpp cannot run it."""
-    if loaded.format != "gguf":
-        raise BenchError(f"llama.cpp reads GGUF files; the target {loaded.name} was loaded from {loaded.format}")
-    eos = tuple(loaded.config.eos_token_ids) or (loaded.tokenizer.eos_token_id,)
-    return LlamaCppRunner(kind, Path(loaded.path), eos, loaded.tokenizer, dict(options or {}))
+    path, eos = gguf_target(loaded, "llama.cpp")
+    return LlamaCppRunner(kind, path, eos, loaded.tokenizer, dict(options or {}))
 
 
 if __name__ == "__main__":
