@@ -269,8 +269,8 @@ TABLE_ROWS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("specbench-smollm2-heads-int4", "heads-int4-smollm2", ("vanilla", "eagle3", "medusa", "eagle", "suffix",
                                                             "hybrid")),
     ("specbench-qwen-heads", "heads-int4-a8-qwen", ("vanilla", "eagle3", "suffix", "hybrid", "ngram-x1",
-                                                    "draft-v64k-k3", "llamacpp", "llamacpp-draft", "llamacpp-pld",
-                                                    "llama-server", "llama-server-ngram", "llama-server-draft")),
+                                                    "draft-v64k-k3", "llamacpp", "llama-server", "llama-server-ngram",
+                                                    "llama-server-draft")),
 )
 TABLE_BEGIN = "<!-- results table: python -m verispec.bench.suites table --write -->"
 TABLE_END = "<!-- end of results table -->"
