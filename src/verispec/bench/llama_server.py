@@ -24,16 +24,14 @@ import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..core.metrics import SpecStats
 from ..core.sampling import SamplingParams
 from ..models.loading import LoadedModel
-from .llamacpp import ClosedWhenCollected, gguf_path, gguf_target
+from .llamacpp import GgufPeer, gguf_path, gguf_target
 from .records import BenchError, GenResult
 
 SERVER_KINDS = ("llama-server", "llama-server-ngram", "llama-server-draft")
@@ -63,16 +61,8 @@ def server_args(kind: str, options: dict) -> list[str]:
     return extra
 
 
-@dataclass
-class LlamaServerRunner(ClosedWhenCollected):
+class LlamaServerRunner(GgufPeer):
     """Runs one llama-server peer: ``generate(prompts, params) -> GenResult``, one prompt at a time."""
-    kind: str
-    path: Path
-    eos_token_ids: tuple[int, ...]
-    tokenizer: Any
-    options: dict = field(default_factory=dict)
-    n_ctx: int = 4096
-    max_batch: int = 1
 
     def __post_init__(self):
         import httpx

@@ -74,6 +74,22 @@ class ClosedWhenCollected:
             pass
 
 
+@dataclass
+class GgufPeer(ClosedWhenCollected):
+    """What every llama.cpp peer is given: its kind, the target's GGUF file and stop ids, the
+    tokenizer (for texts), the kind's options and the context size; it runs one prompt at a time."""
+    kind: str
+    path: Path
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Any
+    options: dict = field(default_factory=dict)
+    n_ctx: int = 4096
+    max_batch: int = 1
+
+    def __post_init__(self) -> None:
+        """Each peer starts its process here (the dataclass ``__init__`` calls it)."""
+
+
 def open_llama(path: Path, threads: int, n_ctx: int, draft=None):
     llama_cpp = _llama_cpp()
     return llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
@@ -158,21 +174,13 @@ def worker_main() -> None:
         reply(worker.generate(**json.loads(line)))
 
 
-@dataclass
-class LlamaCppRunner(ClosedWhenCollected):
+class LlamaCppRunner(GgufPeer):
     """Runs one llama.cpp peer: ``generate(prompts, params) -> GenResult`` (one prompt at a time).
 
     llama.cpp runs in a worker process of its own: its OpenMP threads then wait the way llama.cpp
     expects (actively) while this process keeps ``OMP_WAIT_POLICY=PASSIVE`` for torch; in one
     process the two runtimes' settings collide and llama.cpp ran 2.5x slower. ``wall_s`` is timed
     in the worker around llama.cpp's generation (the pipe's round trip is not charged to it)."""
-    kind: str
-    path: Path
-    eos_token_ids: tuple[int, ...]
-    tokenizer: Any
-    options: dict = field(default_factory=dict)
-    n_ctx: int = 4096
-    max_batch: int = 1
 
     def __post_init__(self):
         import os
