@@ -161,7 +161,6 @@ class _SeqState:
     timed: bool = False        # its latest step was timed (batch 1, greedy): probes measure plain steps
     since_plain: int = 0       # drafted steps since its latest plain step
     model: tuple = (1.0, 1.0)  # this step's modelled (tokens, cost over a plain step's): ``modelled``
-    cal: object = 1.0          # its calibration when its budget was last decided (``calibration``)
 
 
 @dataclass
@@ -333,41 +332,26 @@ class DraftGate:
         """One width for a step of timed requests. The verify forward is padded to the widest
         request, so the step costs ``R_m(B)`` of its widest budget ``m`` whichever requests draft:
         one request's acceptance cannot pay for a batch's wider step. Each request's own state
-        machine says whether it drafts (``budget`` at batch-1 costs: its mode, trials and waits
+        machine says whether it drafts (``_wish`` at batch-1 costs: its mode, trials and waits
         follow its acceptance alone); the step then drafts the width ``m`` that gives the batch
         the most tokens per time, ``(B + sum of E_i(m) over the drafting requests) / R_m(B)``,
         if that beats ``B`` plain tokens by the margin. Every drafting request gets ``m``, or the
         whole step is plain (the requests keep their modes)."""
         n = len(seq_ids)
-        wish = [self.budget(i, 1, True) for i in seq_ids]
-        drafting = [self._seqs[i] for i, w in zip(seq_ids, wish) if w > 0]
-        if not drafting:
-            return wish
+        wishes = [self._wish(i, 1, True) for i in seq_ids]
+        drafting = [w[3] for w in wishes if w is not None]       # their calibrations
         best, value, ratio = 0, n * (1.0 + self.config.margin), 1.0
-        for o in self.options:
+        for o in self.options if drafting else ():
             r = self.costs.ratio(n, o.nodes)
-            tokens = n + sum(o.accepted(st.cal) for st in drafting)
+            tokens = n + sum(o.accepted(cal) for cal in drafting)
             if tokens / r > value + 1e-12:
                 best, value, ratio = o.nodes, tokens / r, r
-        for st in drafting:
-            self._assign(st, best, (1.0 + self._by_nodes[best].accepted(st.cal), ratio) if best else None)
-        return [best if w > 0 else 0 for w in wish]
-
-    def _assign(self, st: _SeqState, nodes: int, model: tuple | None) -> None:
-        """Replace the budget ``budget`` gave a request this step, and its counts, by ``nodes``."""
-        if st.budget:
-            self.stats.drafted -= 1
-            self.stats.budgets[st.budget] -= 1
-            if not self.stats.budgets[st.budget]:
-                del self.stats.budgets[st.budget]
-            st.since_plain -= 1
-        if nodes == 0:
-            self._plain(st)
-            return
-        st.budget, st.model = nodes, model
-        st.since_plain += 1
-        self.stats.drafted += 1
-        self.stats.budgets[nodes] = self.stats.budgets.get(nodes, 0) + 1
+        for i, w in zip(seq_ids, wishes):
+            if w is not None and best:
+                self._draft(self._seqs[i], best, 1.0 + self._by_nodes[best].accepted(w[3]), ratio)
+            else:
+                self._plain(self._seqs[i])
+        return [best if w is not None else 0 for w in wishes]
 
     def _may_pay(self, batch_size: int) -> bool:
         """Whether some budget could pay at ``batch_size`` if every draft token were accepted
@@ -390,34 +374,47 @@ class DraftGate:
         the same tokens alone or beside others. At batch > 1 a step where plain decoding
         wins only because of the batch's cost (the request's acceptance would pay at batch 1) is
         plain without stopping the request's drafting, and trials wait for such steps to pass."""
+        wish = self._wish(seq_id, batch_size, timed)
+        st = self._seqs[seq_id]
+        return self._plain(st) if wish is None else self._draft(st, *wish[:3])
+
+    def _wish(self, seq_id: int, batch_size: int, timed: bool):
+        """``budget``'s decision before it is counted: the request's state machine runs (waits,
+        trials, probes, stops) and says None for a plain step, or ``(nodes > 0, modelled tokens,
+        cost ratio, calibration)`` for a drafted one; the caller counts the step it takes
+        (``_plain`` or ``_draft``), and may overrule a drafted one with a plain step."""
         st = self._state(seq_id)
         batch_size = batch_size if timed else 1       # a seeded sampled request: the same budgets in any batch
         if st.mode is Mode.WAIT:
             if st.left > 0:
                 st.left -= 1
-                return self._plain(st)
+                return None
             st.mode, st.trial_steps = Mode.TRIAL, []
             self.stats.trials += 1
-        cal = st.cal = self.calibration(seq_id)
+        cal = self.calibration(seq_id)
         if st.mode is Mode.TRIAL:                     # the budget the request's history favours
             choice = self._choose(cal, seq_id, batch_size, timed, floor=batch_size == 1)
             if choice[0] == 0:                        # (at batch 1 a trial drafts at least the first node)
-                return self._plain(st)                # too dear at this batch size: not now
+                return None                           # too dear at this batch size: not now
         else:
             if self._probe_due(st):
                 self.stats.probes += 1
-                return self._plain(st)
+                return None
             choice = self._choose(cal, seq_id, batch_size, timed)
             if choice[0] == 0 and batch_size > 1 and self.best(cal, seq_id) > 0:
-                return self._plain(st)                # the batch's cost, not the acceptance
+                return None                           # the batch's cost, not the acceptance
             if choice[0] == 0:                        # plain beats every prefix: stop drafting
                 self._wait(st, self.config.min_wait)
-                return self.budget(seq_id, batch_size, timed)
-        st.budget, st.model = choice[0], choice[1:]
+                return self._wish(seq_id, batch_size, timed)
+        return (*choice, cal)
+
+    def _draft(self, st: _SeqState, nodes: int, tokens: float, ratio: float) -> int:
+        """Count a drafted step of ``nodes`` for the request, with its model (``modelled``)."""
+        st.budget, st.model = nodes, (tokens, ratio)
         st.since_plain += 1
         self.stats.drafted += 1
-        self.stats.budgets[st.budget] = self.stats.budgets.get(st.budget, 0) + 1
-        return st.budget
+        self.stats.budgets[nodes] = self.stats.budgets.get(nodes, 0) + 1
+        return nodes
 
     def _plain(self, st: _SeqState) -> int:
         st.budget, st.since_plain, st.model = 0, 0, (1.0, 1.0)
