@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,9 +49,7 @@ TARGETS = {1: 1.3, 8: 1.0, 32: 1.0}     # speculation over its own vanilla, ever
 # ---------------------------------------------------------------------------- server process
 class Server:
     def __init__(self, args: argparse.Namespace, extra: list[str]):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = harness.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "verispec.serve", "--model", args.model, "--port", str(self.port),
@@ -127,9 +124,7 @@ class LlamaServer(Server):
         gguf = resolve_model(args.model).path
         if gguf.suffix != ".gguf":
             raise RuntimeError(f"the llama-server peer needs a GGUF model, {args.model} is {gguf}")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = harness.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         slots = max(args.levels)

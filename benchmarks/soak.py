@@ -19,7 +19,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,12 +36,6 @@ from verispec.bench import harness  # noqa: E402
 
 GREEDY_PROMPTS = ["The capital of France is", "List three colours:", "Once upon a time", "def add(a, b):",
                   "The recipe needs flour, eggs and", "Translate to French: good morning"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -262,7 +255,7 @@ def markdown(rep: dict) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     machine = harness.machine_record()
-    port = _free_port()
+    port = harness.free_port()
     server = Server(port, args)
     try:
         server.wait_ready()

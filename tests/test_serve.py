@@ -11,7 +11,6 @@ import concurrent.futures as cf
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
+from verispec.bench.harness import free_port  # noqa: E402
 from verispec.drafting.ngram import NgramDrafter  # noqa: E402
 from verispec.core.engine import Engine, Sequence  # noqa: E402
 from verispec.serve.app import ServeConfig, create_app  # noqa: E402
@@ -53,17 +53,12 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class ServerProcess:
     """A ``python -m verispec.serve`` subprocess on a free loopback port."""
 
     def __init__(self, *args: str, api_key: str | None = None):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
@@ -636,7 +631,7 @@ class InProcessServer:
 
     def __init__(self, llm: LLM, **cfg):
         import uvicorn
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(llm, ServeConfig(**{"model_name": MODEL, "max_model_len": 256, **cfg}))
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,

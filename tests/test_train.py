@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from train_tiny import VOCAB, tiny_examples, tiny_target, tiny_task
+from verispec.bench.harness import free_port
 from verispec.formats import load_eagle_head
 from verispec.drafting.eagle_head import HeadKind
 from verispec.train.data import (Conversation, load_conversations, split_ids, tokenize_conversation)
@@ -23,12 +24,6 @@ from verispec.train.vocab import build_draft_vocab, token_counts
 
 HERE = Path(__file__).parent
 
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sharegpt(i: int, role2: str = "gpt") -> dict:
@@ -276,7 +271,7 @@ def test_ddp_two_processes_match_one(tmp_path, method):
     for n in (1, 2):
         out = tmp_path / f"n{n}"
         run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-                              "--master_port", str(_free_port()), str(HERE / "ddp_train_worker.py"), str(out), method],
+                              "--master_port", str(free_port()), str(HERE / "ddp_train_worker.py"), str(out), method],
                              env=env, capture_output=True, text=True, timeout=200)
         assert run.returncode == 0, f"torchrun with {n} process(es) exited {run.returncode}:\n{run.stderr[-4000:]}"
         logs = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]

@@ -34,6 +34,14 @@ ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (for a server the caller starts next)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # ---------------------------------------------------------------------------------- machine record
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (``platform.processor()`` elsewhere)."""

@@ -20,7 +20,6 @@ handling (about a millisecond). Steps, for the acceptance columns, come from the
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -31,11 +30,11 @@ import torch
 from ..core.metrics import SpecStats
 from ..core.sampling import SamplingParams
 from ..models.loading import LoadedModel
+from .harness import ROOT, free_port
 from .llamacpp import GgufPeer, gguf_path, gguf_target
 from .records import BenchError, GenResult
 
 SERVER_KINDS = ("llama-server", "llama-server-ngram", "llama-server-draft")
-ROOT = Path(__file__).resolve().parents[3]
 BUILD_HINT = "llama-server is not built: `make llama-server` builds it from llama.cpp's source (cmake)"
 
 
@@ -67,9 +66,7 @@ class LlamaServerRunner(GgufPeer):
     def __post_init__(self):
         import httpx
         binary, extra = server_binary(), server_args(self.kind, self.options)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         threads = str(torch.get_num_threads())
         self._log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         cmd = [str(binary), "-m", str(self.path), "--host", "127.0.0.1", "--port", str(port), "-t", threads,
