@@ -94,9 +94,9 @@ def _entry_command(dockerfile: Path) -> list[str]:
 
 
 def test_image_entry_command_serves_health_and_drains(tmp_path):
-    from test_serve import _free_port
+    from verispec.bench.harness import free_port
     argv = _entry_command(DEPLOY / "Dockerfile")
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "verispec.cli"] + argv[1:]
     argv[argv.index("--host") + 1], argv[argv.index("--port") + 1] = "127.0.0.1", str(port)  # loopback only
     log = open(tmp_path / "serve.log", "w")
