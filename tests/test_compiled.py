@@ -9,6 +9,7 @@ import torch
 
 from helpers import tiny_llama
 from verispec import SamplingParams
+from verispec.core.kv_budget import PagedKV
 from verispec.drafting.draft_model import DraftModelDrafter
 from verispec.core.engine import Engine, Sequence
 from verispec.models.compiled import CompiledForward
@@ -299,6 +300,14 @@ def test_a_compiled_draft_model_proposes_what_the_eager_one_does(tiny):
                                            forward=draft_fwd), batch)
         assert got == eager and stats.num_draft_tokens > 0
     assert draft_fwd.graphs >= 2 and draft_fwd.eager_calls == 0
+    # on a paged engine the draft cache is paged: the compiled forwards reserve its blocks
+    engine = Engine(model, DraftModelDrafter(draft_model, max_batch=2, max_len=96, num_speculative_tokens=3,
+                                             forward=draft_fwd, kv=PagedKV(16, 16)),
+                    max_batch=2, max_len=96, forward=compiled, kv=PagedKV(16, 16))
+    seqs = [Sequence(prompt_ids=[1, 2, 3, 4 + i], params=params) for i in range(2)]
+    engine.run(seqs)
+    assert [s.output_ids for s in seqs] == eager and draft_fwd.eager_calls == 0
+    assert engine.drafter.cache.paged and engine.drafter.cache.num_used_blocks == 0
 
 
 def test_llm_compiles_its_draft_model_unless_told_not_to(packed_target):

@@ -144,16 +144,49 @@ def test_engine_on_a_small_pool_equals_static_rows(model, speculative):
     prompts = [[(5 * i + j) % 48 for i in range(9 + 7 * j)] for j in range(5)]
     budgets = [30, 12, 25, 8, 20]
 
-    def drafter():
+    def drafter(kv=None):
         return DraftModelDrafter(tiny_llama(48, 32, 1, seed=3), max_batch=3, max_len=128,
-                                 num_speculative_tokens=3) if speculative else None
+                                 num_speculative_tokens=3, kv=kv) if speculative else None
     want, _, _ = _run(model, prompts, budgets, drafter())
-    got, eng, peak = _run(model, prompts, budgets, drafter(), kv=PagedKV(6, 16))
+    got, eng, peak = _run(model, prompts, budgets, drafter(PagedKV(6, 16)), kv=PagedKV(6, 16))
     assert got == want
     assert 0 < peak <= 6 and eng.cache.num_used_blocks == 0 and eng.kv.committed_blocks == 0
+    if speculative:                   # the draft model's own cache is paged too, and given back
+        assert eng.drafter.cache.paged and eng.drafter.cache.block_size == 16
+        assert eng.drafter.cache.num_used_blocks == 0 and eng.stats.num_draft_tokens > 0
     with pytest.raises(ValueError, match="does not fit the KV pool"):
         eng.add(Sequence(prompt_ids=[1] * 40, params=SamplingParams(temperature=0.0, max_tokens=80)))
     assert eng.cache.num_used_blocks == 0 and len(eng.free_rows) == 3
+
+
+def test_a_draft_models_cache_grows_with_its_tokens(model):
+    """The draft model's paged cache holds every row at full length (its rows share no prefix
+    blocks, so it never runs short) but hands out blocks only as its rows' tokens arrive, and a
+    finished row's blocks come back; the drafts equal a static cache's."""
+    draft = tiny_llama(48, 32, 1, seed=3)
+    static = DraftModelDrafter(draft, max_batch=3, max_len=128, num_speculative_tokens=3)
+    paged = DraftModelDrafter(draft, max_batch=3, max_len=128, num_speculative_tokens=3, kv=PagedKV(4, 16))
+    assert not static.cache.paged and paged.cache.num_blocks == 3 * 9     # 3 rows of 132 slots
+    from verispec.drafting.base import DraftRequest
+    reqs = [DraftRequest(r, [(7 * r + i) % 48 for i in range(20 + 30 * r)], SamplingParams(temperature=0.0),
+                         torch.Generator().manual_seed(0)) for r in range(2)]
+    for d in (static, paged):
+        for r in reqs:
+            d.start(r.row, r.context[:-1], None)
+    got, want = paged.propose(reqs), static.propose(reqs)
+    assert [t.tokens.tolist() for t in got] == [t.tokens.tolist() for t in want]
+    assert paged.cache.blocks_of(0) and len(paged.cache.blocks_of(1)) == 4 and not paged.cache.blocks_of(2)
+    paged.release(1)
+    assert len(paged.cache.blocks_of(1)) == 0 and paged.cache.num_used_blocks == len(paged.cache.blocks_of(0))
+
+
+def test_an_llms_paged_engine_pages_its_draft_models_cache(packed_target):
+    """``LLM.make_engine(kv=...)`` hands the paged pool to a drafter with a cache of its own."""
+    from verispec import LLM
+    llm = LLM(loaded=packed_target, speculative_config={"method": "draft_model", "model": "self",
+                                                        "self_draft_layers": 1})
+    assert llm.make_engine(2, 64, kv=PagedKV(8, 16)).drafter.cache.paged
+    assert not llm.make_engine(2, 64).drafter.cache.paged
 
 
 def test_prefix_cache_shares_pool_blocks_by_reference(model):

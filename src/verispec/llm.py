@@ -187,7 +187,8 @@ class LLM:
     def make_engine(self, max_batch: int, max_len: int, **engine_options) -> Engine:
         """An engine of ``max_batch`` rows of ``max_len`` tokens over this LLM's target, drafter,
         gate and prefix cache; ``engine_options``: more ``Engine`` keywords (``prefill_chunk``)."""
-        drafter = self._make_drafter(max_batch, max_len) if self._make_drafter else None
+        kv = engine_options.get("kv")     # a paged target cache: a drafter with a cache of its own pages it too
+        drafter = self._make_drafter(max_batch, max_len, kv=kv) if self._make_drafter else None
         slack = (drafter.max_tree_nodes if drafter else 0) + 2
         return Engine(self.target.model, drafter, max_batch=max_batch, max_len=max_len + slack,
                       eos_token_ids=self.eos_token_ids, max_context=self.max_model_len,

@@ -112,9 +112,9 @@ def _draft_model(config: DraftModelConfig, target) -> DrafterFactory:
     if config.draft_compile:
         from ..models.compiled import CompiledForward
         forward = CompiledForward.shared(model)     # compiled once per process, shared by every engine
-    return lambda max_batch, max_len: DraftModelDrafter(model, max_batch=max_batch, max_len=max_len,
-                                                        num_speculative_tokens=k, tree=tree, vocab=vocab,
-                                                        confidence_threshold=stop, forward=forward)
+    return lambda max_batch, max_len, kv=None: DraftModelDrafter(model, max_batch=max_batch, max_len=max_len,
+                                                                 num_speculative_tokens=k, tree=tree, vocab=vocab,
+                                                                 confidence_threshold=stop, forward=forward, kv=kv)
 
 
 def _load_draft_model(config: DraftModelConfig, target):

@@ -1,6 +1,9 @@
 """Independent draft model drafter: a small LM sharing the target's tokenizer.
 
-It keeps its own static KV cache, one row per target row. Before each proposal the row is brought
+It keeps its own KV cache, one row per target row: static rows, or (``kv``: the engine's cache is
+paged) a paged pool of its own that holds every row at full length but commits its memory block
+by block as tokens arrive, so it grows with the tokens in use, as the target's does. Before each
+proposal the row is brought
 in step with the context by prefix matching: the committed draft slots whose tokens still agree
 with the context are kept (rolling back is setting a length) and the rest of the context is fed
 in one ragged batched forward. Then it drafts
@@ -23,7 +26,8 @@ import torch
 from torch import nn
 
 from .draft_vocab import DraftVocab
-from ..models.kv_cache import KVCache
+from ..core.kv_budget import PagedKV, make_cache
+from ..models.paged_kv import blocks_for
 from ..models.packed import PackedFP16Linear, PackedLinear
 from ..models.transformer import Transformer
 from ..core.sampling import target_probs
@@ -37,7 +41,7 @@ class DraftModelDrafter:
 
     def __init__(self, model: Transformer, *, max_batch: int, max_len: int, num_speculative_tokens: int = 4,
                  tree: list | None = None, vocab: DraftVocab | None = None,
-                 confidence_threshold: float | None = None, forward=None):
+                 confidence_threshold: float | None = None, forward=None, kv: PagedKV | None = None):
         """``confidence_threshold`` (chains only): a row's chain ends after a token the draft gave
         less than this probability (its own, after temperature / top-k / top-p; the argmax's at
         temperature 0). The draft forwards a chain would spend past a doubtful token are the ones
@@ -46,7 +50,12 @@ class DraftModelDrafter:
         ``forward``: a ``models.compiled.CompiledForward`` of ``model`` (the LLM compiles): a
         forward over the draft rows 0..B-1 in order (batch 1, or a batch drafted together) runs
         it with a bucketed ``kv_len``; any other runs the eager model. Draft numbers only move
-        which tokens are proposed, never what is accepted."""
+        which tokens are proposed, never what is accepted.
+        ``kv``: the engine's paged pool (None: static rows). The draft cache is then paged with
+        the same block size, in a pool of its own sized for every row at full length (the
+        target's pool shares prefix blocks between rows, the draft's rows do not, so a pool of
+        the target's size could run short) and never committed ahead: its memory grows with the
+        draft tokens in use and ``reset`` hands a row's blocks back."""
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         if confidence_threshold is not None and not 0.0 < confidence_threshold < 1.0:
@@ -67,8 +76,9 @@ class DraftModelDrafter:
         self.choices = validate_choices(tree) if tree else None
         self.max_tree_nodes = len(self.choices) if self.choices else self.k
         dtype = next(model.parameters()).dtype
-        self.cache = KVCache.for_model(model.cfg, max_batch, max_len + self.max_tree_nodes + 1, dtype,
-                                       device=self.device)
+        row_len = max_len + self.max_tree_nodes + 1
+        pool = None if kv is None else PagedKV(max_batch * blocks_for(row_len, kv.block_size), kv.block_size)
+        self.cache = make_cache(model.cfg, max_batch, row_len, dtype, self.device, pool)
         self.cached: dict[int, list[int]] = {}
 
     # -- protocol --------------------------------------------------------------------------
@@ -142,6 +152,7 @@ class DraftModelDrafter:
         if host is not None and host == list(range(len(host))):
             if "logits_index" not in kw and "attn_mask" not in kw:        # chain steps: the catch-up's graph
                 kw["logits_index"] = torch.full((len(host), 1), tokens.shape[1] - 1, device=self.device)
+            self.cache.reserve(host, tokens.shape[1])        # a paged cache's blocks (eager forwards reserve)
             logits = self._compiled(tokens, positions, self.cache, kv_len=self.cache.kv_len(host, tokens.shape[1]),
                                     **kw).logits
         else:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import inspect
 import json
 import logging
 import os
@@ -136,16 +137,20 @@ class StepCosts:
 class ShapedFactory:
     """A drafter factory that carries the draft shape it chose (``shape``; None when the user
     gave a shape or no profile was found) and, with ``gate_options`` (``gate_options``), makes
-    each engine a ``draft_gate.DraftGate`` over them (``make_gate``: adaptive drafting)."""
+    each engine a ``draft_gate.DraftGate`` over them (``make_gate``: adaptive drafting). A
+    drafter with a KV cache of its own (the draft model) takes the engine's paged pool ``kv``
+    (``make(max_batch, max_len, kv=...)``); the others are made without it."""
 
     def __init__(self, make: Callable, shape: "ShapeChoice | None", gate_options: tuple = (),
                  costs: "StepCosts | None" = None, generic: bool = False):
         self.make, self.shape, self.gate_options = make, shape, tuple(gate_options)
         self.costs = costs            # the measured step costs the shape was chosen from (None: none measured)
         self.generic = generic        # a drafter without a profile: gated with ``generic_options``
+        self.takes_kv = "kv" in inspect.signature(make).parameters
 
-    def __call__(self, max_batch: int, max_len: int):
-        return self.make(max_batch, max_len)
+    def __call__(self, max_batch: int, max_len: int, kv=None):
+        """One engine's drafter; ``kv``: the engine's paged pool (``core.kv_budget.PagedKV``) or None."""
+        return self.make(max_batch, max_len, kv=kv) if self.takes_kv else self.make(max_batch, max_len)
 
     def make_gate(self, max_nodes: int = 0):
         """A new gate for one engine whose drafter drafts at most ``max_nodes`` nodes, with the
