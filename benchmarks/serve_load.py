@@ -234,10 +234,12 @@ def spec_delta(before: dict, after: dict) -> dict:
 
 
 def run_configs(configs: dict[str, list[str]], questions: list[dict], args: argparse.Namespace,
-                tag: str = "") -> dict:
+                tag: str = "") -> tuple[dict, dict | None]:
     """One round: fresh servers, all side by side (idle ones use no CPU); levels are the outer
     loop so that every configuration of a level is measured within minutes of the others (fair
-    on a shared, noisy machine)."""
+    on a shared, noisy machine). Returns the configurations' results and, with
+    ``--engine-reference``, the in-process engine's, measured right after the 1-user level."""
+    engine = None
     servers = {name: (LlamaServer if name.startswith("llama-server") else Server)(args, extra)
                for name, extra in configs.items()}
     out = {name: {"server_args": extra, "levels": {}, "texts": {}} for name, extra in configs.items()}
@@ -262,23 +264,36 @@ def run_configs(configs: dict[str, list[str]], questions: list[dict], args: argp
                 print(f"{tag}{name:>20} {users:>3} users: {summary['tokens_per_s']:7.2f} tok/s  "
                       f"ttft p50 {summary['ttft_s']['p50']}  e2e p50 {summary['e2e_s']['p50']}  "
                       f"req {summary['requests']} err {summary['errors']}  {summary['speculation']}", flush=True)
+            if users == 1 and args.engine_reference:
+                try:
+                    engine = engine_reference(questions, args)
+                except Exception as e:        # noqa: BLE001 - keep the rounds measured so far
+                    engine = {"error": repr(e)}
+                print(f"{tag}{'engine in-process':>20}   1 user : {engine.get('tokens_per_s')} tok/s", flush=True)
     finally:
         for name, server in servers.items():
             out[name]["peak_rss_mb"] = server.peak_rss_mb()
             server.stop()
-    return out
+    return out, engine
 
 
 # ---------------------------------------------------------------------------- engine reference
+_ENGINE: dict = {}
+
+
 def engine_reference(questions: list[dict], args: argparse.Namespace) -> dict:
     """The 1-user workload decoded in-process (``LLM.generate``, one request at a time, the same
     model, weights, compile and threads as the servers, no speculation): what the server's
-    1-user rate is compared against. The first request warms the compiled graphs and is not timed."""
+    1-user rate is compared against, in each round right after the servers' 1-user level (the
+    machine's speed drifts between rounds). The model is loaded once; the first request of each
+    call warms it and is not timed."""
     import torch
 
     from verispec import LLM, SamplingParams
     torch.set_num_threads(args.num_threads)
-    llm = LLM(model=args.model, weights=args.weights, compile=args.compile)
+    if "llm" not in _ENGINE:
+        _ENGINE["llm"] = LLM(model=args.model, weights=args.weights, compile=args.compile)
+    llm = _ENGINE["llm"]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     tok = llm.tokenizer
     chat = [{"prompt_token_ids": tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
@@ -345,6 +360,23 @@ def _summary_rows(report: dict) -> list[str]:
     return rows
 
 
+def _engine_lines(report: dict) -> list[str]:
+    """The server's vanilla at 1 user over the engine in-process, per round (an older report
+    holds one engine figure, measured after every round)."""
+    ref, rounds = report.get("engine_reference"), report["rounds"]
+    refs = ref if isinstance(ref, list) else [ref] * len(rounds) if ref else []
+    one = [r.get("baseline", {}).get("levels", {}).get("1", {}).get("tokens_per_s") for r in rounds]
+    pairs = [(s, e["tokens_per_s"]) for s, e in zip(one, refs) if s and e and e.get("tokens_per_s")]
+    if not pairs:
+        return []
+    head = ("per round, measured right after the servers' 1-user level" if isinstance(ref, list)
+            else "once, after every round")
+    return [f"Engine in-process (`LLM.generate`, one request at a time, same path, {head}): "
+            f"{' / '.join(str(e) for _, e in pairs)} tok/s; the server's vanilla at 1 user: "
+            f"{' / '.join(str(s) for s, _ in pairs)} tok/s ("
+            f"{' / '.join(f'{s / e:.2f}x' for s, e in pairs)}).", ""]
+
+
 def markdown(report: dict) -> str:
     s = report["settings"]
     rounds = report["rounds"]
@@ -357,13 +389,7 @@ def markdown(report: dict) -> str:
              f"Speculation: `{s['speculative_config']}` (`speculative`: whole trees every step; "
              f"`speculative+policy`: the draft-budget estimator, policy `{s['policy']}`). "
              f"Peer speculation: `{s.get('peer_spec')}`.", "", *_summary_rows(report), ""]
-    ref = report.get("engine_reference")
-    if ref and "tokens_per_s" in ref:
-        one = _median([r["baseline"]["levels"]["1"]["tokens_per_s"] for r in rounds
-                       if "baseline" in r and "1" in r["baseline"]["levels"]])
-        lines += [f"Engine in-process (`LLM.generate`, one request at a time, same path): "
-                  f"{ref['tokens_per_s']} tok/s; the server's vanilla at 1 user: {one} tok/s"
-                  + (f" ({one / ref['tokens_per_s']:.2f}x)." if one else "."), ""]
+    lines += _engine_lines(report)
     compiled = sum(x.get("graphs_compiled", 0) for r in rounds for cfg in r.values() for x in cfg["levels"].values())
     lines += [f"Outputs identical across verispec configurations and rounds (lossless): {report['outputs_identical']}.",
               f"Graphs compiled under load, after `/ready` (all servers, levels and rounds): {compiled}.", ""]
@@ -442,13 +468,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {"machine": harness.machine_record(), "settings": settings,
               "num_questions": len(questions), "configs": {}}
     t0 = time.perf_counter()
-    report["rounds"] = [run_configs({name: configs[name] for name in wanted}, questions, args,
-                                    tag=f"round {r + 1}: ") for r in range(args.rounds)]
+    measured = [run_configs({name: configs[name] for name in wanted}, questions, args, tag=f"round {r + 1}: ")
+                for r in range(args.rounds)]
+    report["rounds"] = [cfgs for cfgs, _ in measured]
     if args.engine_reference:
-        try:
-            report["engine_reference"] = engine_reference(questions, args)
-        except Exception as e:        # noqa: BLE001 - keep the rounds measured so far
-            report["engine_reference"] = {"error": repr(e)}
+        report["engine_reference"] = [engine for _, engine in measured]       # one per round
     report["total_s"] = round(time.perf_counter() - t0, 1)
     compare(report)
     print(OUTPUT.write(report, args.out).read_text())
