@@ -300,13 +300,28 @@ def test_a_compiled_draft_model_proposes_what_the_eager_one_does(tiny):
                                            forward=draft_fwd), batch)
         assert got == eager and stats.num_draft_tokens > 0
     assert draft_fwd.graphs >= 2 and draft_fwd.eager_calls == 0
-    # on a paged engine the draft cache is paged: the compiled forwards reserve its blocks
-    engine = Engine(model, DraftModelDrafter(draft_model, max_batch=2, max_len=96, num_speculative_tokens=3,
-                                             forward=draft_fwd, kv=PagedKV(16, 16)),
-                    max_batch=2, max_len=96, forward=compiled, kv=PagedKV(16, 16))
-    seqs = [Sequence(prompt_ids=[1, 2, 3, 4 + i], params=params) for i in range(2)]
-    engine.run(seqs)
-    assert [s.output_ids for s in seqs] == eager and draft_fwd.eager_calls == 0
+
+
+@pytest.mark.slow
+def test_a_compiled_draft_model_on_a_paged_engine_pages_its_cache(tiny):
+    """On a paged engine the draft model's cache is paged too: its compiled forwards reserve their
+    rows' blocks, the outputs are the static engine's and every block comes back (slow: the
+    paged cache compiles graphs of its own)."""
+    model, compiled = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    draft_model = tiny_llama(48, 32, 1, seed=3).fuse_()
+    draft_fwd = CompiledForward(draft_model)
+
+    def run(kv=None):
+        engine = Engine(model, DraftModelDrafter(draft_model, max_batch=2, max_len=96, num_speculative_tokens=3,
+                                                 forward=draft_fwd, kv=kv),
+                        max_batch=2, max_len=96, forward=compiled, kv=kv)
+        seqs = [Sequence(prompt_ids=[1, 2, 3, 4 + i], params=params) for i in range(2)]
+        engine.run(seqs)
+        return [s.output_ids for s in seqs], engine
+    want, _ = run()
+    got, engine = run(PagedKV(16, 16))
+    assert got == want and draft_fwd.eager_calls == 0 and engine.stats.num_draft_tokens > 0
     assert engine.drafter.cache.paged and engine.drafter.cache.num_used_blocks == 0
 
 
