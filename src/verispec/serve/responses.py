@@ -261,15 +261,6 @@ async def _merged(choices: list[Choice], firsts: list[TokenEvent]) -> AsyncItera
     for c, ev in zip(choices, firsts):
         yield c, ev
     live = [c for c, ev in zip(choices, firsts) if not ev.finished]
-    if len(live) == 1 and len(choices) == 1:        # one stream: read it directly (no task, no queue)
-        try:
-            async for ev in live[0].events:
-                yield live[0], ev
-                if ev.finished:
-                    return
-        finally:
-            await _close_all(choices)
-        return
     tasks = [asyncio.ensure_future(pump(c)) for c in live]
     try:
         while live:
