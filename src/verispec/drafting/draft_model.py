@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from .draft_vocab import DraftVocab
-from ..core.kv_budget import PagedKV, make_cache
-from ..models.paged_kv import blocks_for
+from ..core.kv_budget import PagedKV
+from ..models.kv_cache import KVCache
+from ..models.paged_kv import PagedKVCache
 from ..models.packed import PackedFP16Linear, PackedLinear
 from ..models.transformer import Transformer
 from ..core.sampling import target_probs
@@ -77,8 +78,8 @@ class DraftModelDrafter:
         self.max_tree_nodes = len(self.choices) if self.choices else self.k
         dtype = next(model.parameters()).dtype
         row_len = max_len + self.max_tree_nodes + 1
-        pool = None if kv is None else PagedKV(max_batch * blocks_for(row_len, kv.block_size), kv.block_size)
-        self.cache = make_cache(model.cfg, max_batch, row_len, dtype, self.device, pool)
+        self.cache = KVCache.for_model(model.cfg, max_batch, row_len, dtype, device=self.device) if kv is None \
+            else PagedKVCache.for_model(model.cfg, max_batch, row_len, dtype, self.device, block_size=kv.block_size)
         self.cached: dict[int, list[int]] = {}
 
     # -- protocol --------------------------------------------------------------------------
