@@ -23,7 +23,6 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from verispec.bench import harness
 
@@ -31,10 +30,10 @@ KINDS = ("static", "paged-target", "paged")
 
 
 def _rss_mb(field: str = "VmRSS") -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return round(int(line.split()[1]) / 1024, 1)
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    value = harness.proc_status_mb(field)
+    if value is None:
+        raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
+    return round(value, 1)
 
 
 def _cache_mb(cache, peak_blocks: int | None = None) -> float:

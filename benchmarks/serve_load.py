@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -98,12 +99,8 @@ class Server:
 
 
 def peak_rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
+    peak = harness.proc_status_mb("VmHWM", pid)
+    return None if peak is None else round(peak, 1)
     return None
 
 
@@ -278,7 +275,10 @@ def run_configs(configs: dict[str, list[str]], questions: list[dict], args: argp
 
 
 # ---------------------------------------------------------------------------- engine reference
-_ENGINE: dict = {}
+@functools.cache
+def _reference_llm(model: str, weights: str, compile: bool):
+    from verispec import LLM
+    return LLM(model=model, weights=weights, compile=compile)
 
 
 def engine_reference(questions: list[dict], args: argparse.Namespace) -> dict:
@@ -289,11 +289,9 @@ def engine_reference(questions: list[dict], args: argparse.Namespace) -> dict:
     call warms it and is not timed."""
     import torch
 
-    from verispec import LLM, SamplingParams
+    from verispec import SamplingParams
     torch.set_num_threads(args.num_threads)
-    if "llm" not in _ENGINE:
-        _ENGINE["llm"] = LLM(model=args.model, weights=args.weights, compile=args.compile)
-    llm = _ENGINE["llm"]
+    llm = _reference_llm(args.model, args.weights, args.compile)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     tok = llm.tokenizer
     chat = [{"prompt_token_ids": tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}],

@@ -63,11 +63,7 @@ class Server:
         raise RuntimeError("server not ready")
 
     def rss_mib(self) -> float | None:
-        try:
-            line = next(x for x in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines() if x.startswith("VmRSS"))
-            return int(line.split()[1]) / 1024
-        except (OSError, StopIteration):
-            return None
+        return harness.proc_status_mb("VmRSS", self.proc.pid)
 
     def metrics(self) -> dict[str, float]:
         out = {}

@@ -34,6 +34,18 @@ ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def proc_status_mb(key: str, pid: int | str = "self") -> float | None:
+    """A memory field of /proc/<pid>/status in MiB (``VmRSS``, ``VmHWM``, ...); None where it
+    cannot be read (another OS, a process gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
 def free_port() -> int:
     """A TCP port free on loopback now (for a server the caller starts next)."""
     import socket

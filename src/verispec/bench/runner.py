@@ -43,7 +43,7 @@ from ..models.sources import ModelSourceError
 from ..core.sampling import SamplingParams
 from ..drafting.shipped import model_stem, shipped_head
 from ..drafting.spec_config import SpecConfigError
-from .harness import machine_record
+from .harness import machine_record, proc_status_mb
 from .records import PEER_KINDS, BenchError, BenchResult, FidelityRecord, GenResult, MethodSpec, RunRecord, stats_dict
 
 METHOD_NAMES = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix", "hybrid", "hf", "hf-pld",
@@ -332,13 +332,7 @@ class RssMeter:
 
     @staticmethod
     def _status(key: str) -> float | None:
-        try:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024.0
-        except OSError:
-            pass
-        return None
+        return proc_status_mb(key)
 
     @staticmethod
     def _try_reset() -> bool:
