@@ -53,7 +53,6 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-
 class ServerProcess:
     """A ``python -m verispec.serve`` subprocess on a free loopback port."""
 

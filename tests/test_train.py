@@ -25,7 +25,6 @@ from verispec.train.vocab import build_draft_vocab, token_counts
 HERE = Path(__file__).parent
 
 
-
 def _sharegpt(i: int, role2: str = "gpt") -> dict:
     return {"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"},
                                              {"from": role2, "value": f"answer {i}"}]}
