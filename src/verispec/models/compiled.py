@@ -14,10 +14,12 @@ Contract
   ``eager_calls``. Shapes: ``dynamic=None`` (a size that changes is recompiled once as dynamic),
   with the token count of a forward over several tokens marked dynamic from the start (one graph
   for one token, one for every prefill and verify size), so a run compiles a handful of graphs;
-  past torch's recompile limit dynamo itself falls back to eager. A call that compiles is run
-  once more with ``kv_len`` one bucket larger (on a scratch cache when its own is too short), so
-  the graph that serves every cache length is compiled then, not at the next bucket; the K/V tensors' slot
-  dimension is marked dynamic, so the next engine's cache (sized to its prompts) reuses the graphs.
+  past torch's recompile limit dynamo itself falls back to eager. ``kv_len`` is a dynamic int
+  from the first compile (``torch.compiler.config.dynamic_sources``), so the graph that serves
+  every cache length is the first one: before, each shape compiled a static-``kv_len`` graph
+  and then, one bucket later, its dynamic twin (9 graphs and 216 s of a cold ``make demo``,
+  against 5 graphs now). The K/V tensors' slot dimension is marked dynamic, so the next
+  engine's cache (sized to its prompts) reuses the graphs.
 - Compilation is paid once per process (and cached on disk by inductor across processes):
   ``compile_s`` sums the wall time of the calls that compiled, ``graphs`` counts them.
   ``CompiledForward.shared(model)`` is the one instance per model that every ``LLM`` over it
@@ -54,7 +56,6 @@ import weakref
 
 import torch
 
-from .kv_cache import KV_GRANULE, KVCache
 from .transformer import ModelOutput, Transformer
 
 CPU_OPTIONS = {"cpp.threads": 1}
@@ -114,6 +115,16 @@ def _own_code(model: torch.nn.Module):
     fresh = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     fresh.__kwdefaults__ = f.__kwdefaults__
     return types.MethodType(fresh, model)
+
+
+def dynamic_kv_len():
+    """A context in which dynamo traces the forward's ``kv_len`` argument as a dynamic int from
+    its first compile (added to any ``dynamic_sources`` the user set). Without it an int is
+    specialised at first and only made dynamic when a second value arrives: one more compile of
+    every graph, in the middle of a run."""
+    sources = torch.compiler.config.dynamic_sources
+    entry = "L['kv_len']"
+    return torch.compiler.config.patch(dynamic_sources=f"{sources},{entry}" if sources else entry)
 
 
 def _load_ops() -> None:
@@ -198,14 +209,10 @@ class CompiledForward:
         self._mark(cache)
         self._mark_length(tokens, positions, attn_mask)
         before, t0 = _graphs(), time.perf_counter()
-        out = self._fn(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=tuple(hidden_layers),
-                       kv_len=kv_len, logits_index=logits_index, **_rows_arg(rows, b))
+        with dynamic_kv_len():
+            out = self._fn(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=tuple(hidden_layers),
+                           kv_len=kv_len, logits_index=logits_index, **_rows_arg(rows, b))
         if _graphs() != before:
-            # a new shape: compile its dynamic-length twin now (same call, another bucket; the
-            # forward only writes scratch slots, so running it twice changes nothing) rather than
-            # at the next kv_len bucket, in the middle of a timed run
-            self._compile_twin(tokens, positions, cache, attn_mask, tuple(hidden_layers), kv_len, logits_index,
-                               rows)
             self.compile_s += time.perf_counter() - t0
             self.graphs += _graphs() - before
             if self.speculative and attn_mask is not None:
@@ -225,21 +232,6 @@ class CompiledForward:
         first = lambda t: t.new_empty(b, 1).copy_(t[:, :1])       # noqa: E731 (fresh strides, as a step's)
         self(first(tokens), first(positions), cache, attn_mask=one, hidden_layers=hidden_layers,
              kv_len=cache.kv_len(list(range(b)), 1))
-
-    def _compile_twin(self, tokens, positions, cache, attn_mask, hidden_layers, kv_len, logits_index=None,
-                      rows=None) -> None:
-        """Run the call again with ``kv_len`` one bucket larger (more slots, masked: the same
-        logits), so dynamo compiles the graph for any ``kv_len`` now. A cache too short for that
-        bucket is stood in for by a scratch cache of the same layout with the same lengths (its
-        K/V values do not matter: the output is dropped)."""
-        twin = kv_len + KV_GRANULE
-        if twin > cache.max_len:
-            spare = cache.spare(twin)
-            spare.reserve(range(int(tokens.shape[0])), int(tokens.shape[1]))
-            self._mark(spare)
-            cache = spare
-        self._fn(tokens, positions, cache, attn_mask=attn_mask, hidden_layers=hidden_layers, kv_len=twin,
-                 logits_index=logits_index, **_rows_arg(rows, int(tokens.shape[0])))
 
     def _compile_verify_twin(self, tokens, positions, cache, attn_mask, hidden_layers) -> None:
         """After the one-token graph, compile the multi-token (verify) graph at once, with a

@@ -114,15 +114,6 @@ class KVCache:
         """Make room for a forward of ``new_tokens`` on ``rows``: every slot of a static row
         exists already (a paged cache hands out blocks here)."""
 
-    def spare(self, max_len: int) -> "KVCache":
-        """A scratch cache of the same kind and layout with ``max_len`` slots per row and the same
-        lengths (its K/V values are zeros)."""
-        cache = KVCache(len(self.k), self.max_batch, self.k[0].shape[1], max_len, self.k[0].shape[3],
-                        self.k[0].dtype, self.device)
-        rows = list(range(self.max_batch))
-        cache.advance(rows, self.lengths_of(rows))
-        return cache
-
     def mark_dynamic(self) -> None:
         """Mark for ``torch.compile`` the dimensions that differ between engines' caches: the slot
         dimension, and the row dimension of caches of several rows."""

@@ -316,16 +316,6 @@ class PagedKVCache(KVCache):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(self.table, 1)
 
-    def spare(self, max_len: int) -> "PagedKVCache":
-        rows = list(range(self.max_batch))
-        lengths = self.lengths_of(rows)
-        cache = PagedKVCache(len(self.k), self.max_batch, self.k[0].shape[1], max_len, self.k[0].shape[3],
-                             sum(blocks_for(max_len, self.block_size) for _ in rows), self.block_size,
-                             self.k[0].dtype, self.device)
-        cache.reserve(rows, lengths)
-        cache.advance(rows, lengths)
-        return cache
-
 
 def gather_slots(pool: torch.Tensor, table: torch.Tensor, used: int) -> torch.Tensor:
     """``[B, H, used, D]`` copies of slots ``0 .. used - 1`` of the rows of ``table [B, blocks]``
