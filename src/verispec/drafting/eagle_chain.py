@@ -70,8 +70,7 @@ class ChainProgram:
         self.compiled = compile
         self._catch, self._lvl = _catch_up, _level
         if compile:
-            from ..models.compiled import CPU_OPTIONS, _load_ops, _no_autograd_cache
-            _no_autograd_cache()
+            from ..models.compiled import CPU_OPTIONS, _load_ops
             _load_ops()
             cpu = head.embed_tokens.device.type == "cpu"
             options = {**(CPU_OPTIONS if cpu else {}),

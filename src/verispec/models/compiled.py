@@ -18,9 +18,11 @@ Contract
   from the first compile (``torch.compiler.config.dynamic_sources``), so the graph that serves
   every cache length is the first one: before, each shape compiled a static-``kv_len`` graph
   and then, one bucket later, its dynamic twin (9 graphs and 216 s of a cold ``make demo``,
-  against 5 graphs now). The K/V tensors' slot dimension is marked dynamic, so the next
+  against 4 graphs in 131 s now). The K/V tensors' slot dimension is marked dynamic, so the next
   engine's cache (sized to its prompts) reuses the graphs.
-- Compilation is paid once per process (and cached on disk by inductor across processes):
+- Compilation is paid once per process; inductor's on-disk caches (its FX graph and kernel
+  caches, and AOTAutograd's) make a later process's compile cheaper: SmolLM2's one-token
+  graph took 45 s on a cold cache, 7 s in the next process, 13 s with AOTAutograd's cache off.
   ``compile_s`` sums the wall time of the calls that compiled, ``graphs`` counts them.
   ``CompiledForward.shared(model)`` is the one instance per model that every ``LLM`` over it
   uses, so a second engine (another method in a benchmark, vanilla beside speculation) reuses the
@@ -28,8 +30,7 @@ Contract
   ``speculative_config`` sets it), compiling the one-token graph also compiles the multi-token
   (verify) graph and the other way round, so drafting never compiles in the middle of a run.
   ``kv_len`` never reaches the K/V tensors' slot count (``KVCache`` keeps a spare slot), so no
-  graph is specialised on a read of the whole slot dimension. AOTAutograd's on-disk cache is off
-  (``_no_autograd_cache``).
+  graph is specialised on a read of the whole slot dimension.
 - Generated kernels run on one thread (``cpp.threads=1``): on 2 cores, waking a second thread for
   a 576-wide loop cost more than the loop (measured: 16.5 vs 19.9 ms per SmolLM2 decode step).
 - The model's modules are not guarded (``guard_filter_fn`` drops the guards whose source is an
@@ -83,16 +84,6 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _no_autograd_cache() -> None:
-    """AOTAutograd's on-disk cache restores a graph with the value-range guards of the process
-    that wrote it (``2 <= kv_len <= 183``: that run's cache size), so the next process recompiled
-    in the middle of a run as soon as a prompt's cache was larger (10 s in a timed prompt).
-    Turned off for the process; inductor's own kernel cache stays on (compiling takes ~25 s
-    instead of ~15 s on SmolLM2, once per process, and never again mid-run)."""
-    import torch._functorch.config as functorch_config
-    functorch_config.enable_autograd_cache = False
-
-
 # dynamo's recompile limit counts the graphs of one code object, ``Transformer.forward``, over
 # every model of the process: a target and two draft models (a benchmark's methods) with their
 # one-token, multi-token and kv_len-twin graphs passed its default of 8, and the ninth shape ran
@@ -135,7 +126,6 @@ def _load_ops() -> None:
 
 class CompiledForward:
     def __init__(self, model: Transformer):
-        _no_autograd_cache()
         import torch._dynamo.config as dynamo_config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         _load_ops()
