@@ -23,7 +23,7 @@ from verispec.drafting import StatelessDrafter
 from verispec.core.engine import Engine, Sequence
 from verispec.core.params import SamplingParams
 from verispec.core.tree import DraftTree
-from verispec.core.tree_batch import TreeBatch
+from verispec.core.tree_batch import TreeBatch, _pack
 from verispec.core import verify
 from verispec.core.verify import accept_from_probs_batch, accept_greedy_batch
 
@@ -80,6 +80,19 @@ def test_batched_sampling_equals_sequential_reference(kinds):
             n = len(tree)
             want = reference_sampled(tree, probs[b, :n + 1], torch.cat([u[b, :n], u[b, -1:]]))
             assert got[b] == want, (seed, b, tree, got[b], want)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_batch_of_empty_trees_packs_as_the_general_path_does(rows):
+    """The plain-step shortcut of ``TreeBatch.pack`` builds every field the general path would."""
+    trees, starts, roots = [DraftTree.empty()] * rows, torch.tensor([7, 30, 2][:rows]), [11, 12, 13][:rows]
+    fast, general = TreeBatch.pack(trees, starts, roots), _pack(trees, starts, roots, torch.device("cpu"), None)
+    for name in TreeBatch.__dataclass_fields__:
+        a, b = getattr(fast, name), getattr(general, name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        else:
+            assert a == b, name
 
 
 @pytest.mark.parametrize("host_walk", [True, False], ids=["host-walk", "batched"])
