@@ -30,6 +30,22 @@ def test_the_build_folder_follows_the_sources(tmp_path, monkeypatch):
     assert len({first, second, third}) == 3
 
 
+def test_two_checkouts_of_the_same_sources_build_apart(tmp_path, monkeypatch):
+    """torch writes absolute paths into a folder's build.ninja and rebuilds when they change: a
+    second checkout (or environment) of the same sources gets a folder of its own."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _fake_csrc(tmp_path / "a", monkeypatch, "int a;\n")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))       # one folder for both
+    first = native.build_dir("op", "op.cpp")
+    _fake_csrc(tmp_path / "b", monkeypatch, "int a;\n")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    second = native.build_dir("op", "op.cpp")
+    monkeypatch.setattr(native.sys, "prefix", str(tmp_path / "another-venv"))
+    third = native.build_dir("op", "op.cpp")
+    assert first.parent == second.parent == third.parent and len({first, second, third}) == 3
+
+
 def test_a_lock_file_left_by_a_killed_build_is_removed_with_a_warning(tmp_path):
     folder = tmp_path / "op-1234"
     folder.mkdir()
