@@ -14,10 +14,7 @@ Writes benchmarks/results/compile_time.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -26,14 +23,14 @@ from verispec.bench import harness
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def measure_run(args: argparse.Namespace) -> dict:
-    """One run in this process (the child of ``measure``)."""
+def measure_run(args: argparse.Namespace, method: str) -> dict:
+    """One run of ``method`` in this process (a child of ``measure``)."""
     t0 = time.perf_counter()
     import torch
 
     from verispec import LLM, SamplingParams
     torch.set_num_threads(args.num_threads)
-    spec = None if args.method == "vanilla" else {"method": args.method}
+    spec = None if method == "vanilla" else {"method": method}
     t1 = time.perf_counter()
     llm = LLM(model=args.model, weights=args.weights, compile=True, max_num_seqs=1, speculative_config=spec)
     t2 = time.perf_counter()
@@ -44,24 +41,19 @@ def measure_run(args: argparse.Namespace) -> dict:
             "import_s": round(t1 - t0, 1), "tokens": len(out[0].token_ids), "token_ids": out[0].token_ids}
 
 
-def _child(args: argparse.Namespace, method: str, cache: str) -> dict:
-    cmd = [sys.executable, __file__, "--child-method", method, *sys.argv[1:]]
+def _child(method: str, cache: str) -> dict:
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
-    if done.returncode != 0:
-        raise RuntimeError(f"{method} failed:\n{done.stderr[-3000:]}")
-    run = json.loads(done.stdout.strip().splitlines()[-1])
+    run = harness.in_fresh_process(__file__, method, {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
     run["process_s"] = round(time.perf_counter() - start, 1)
     return run
 
 
 def measure(args: argparse.Namespace) -> dict:
     """Per method, a cold run on an empty cache folder, then a warm run on what it left."""
-    out = {"settings": {k: v for k, v in harness.settings(args).items() if k != "child_method"}, "methods": {}}
+    out = {"settings": harness.settings(args), "methods": {}}
     for method in args.methods.split(","):
         with tempfile.TemporaryDirectory(prefix="verispec-inductor-") as cache:
-            cold, warm = _child(args, method, cache), _child(args, method, cache)
+            cold, warm = _child(method, cache), _child(method, cache)
         same = cold.pop("token_ids") == warm.pop("token_ids")
         out["methods"][method] = {"cold": cold, "warm": warm, "same_answer": same}
     return out
@@ -89,22 +81,17 @@ OUTPUT = harness.Output("compile_time", "Compiled start: graphs and seconds, col
                         model="smollm2-135m", per_model=False)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--methods", default="vanilla,eagle3", help="comma-separated: vanilla or a speculative method")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--weights", default="auto")
     p.add_argument("--num-threads", type=int, default=2)
-    p.add_argument("--child-method", help=argparse.SUPPRESS)     # the child process
-    args = OUTPUT.parse(p, argv)
-    if args is None:
-        return 0
-    if args.child_method:
-        args.method = args.child_method
-        print(json.dumps(measure_run(args)))
-        return 0
-    print("wrote", OUTPUT.write(measure(args), args.out))
-    return 0
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main_with_children(OUTPUT, parser(), measure, measure_run, argv)
 
 
 if __name__ == "__main__":

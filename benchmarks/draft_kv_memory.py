@@ -20,9 +20,6 @@ Writes benchmarks/results/draft_kv_memory.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 
 from verispec.bench import harness
 
@@ -44,7 +41,7 @@ def _cache_mb(cache, peak_blocks: int | None = None) -> float:
     return round(sum(t.numel() * t.element_size() for t in (*cache.k, *cache.v)) / 2**20, 1)
 
 
-def measure_kind(kind: str, args: argparse.Namespace) -> dict:
+def measure_kind(args: argparse.Namespace, kind: str) -> dict:
     """One kind in this process (the child of ``measure``)."""
     import torch
 
@@ -88,14 +85,10 @@ def measure_kind(kind: str, args: argparse.Namespace) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """Each kind in a fresh process of this script (``--kind``)."""
-    out = {"settings": {k: v for k, v in harness.settings(args).items() if k != "kind"}, "kinds": {}}
+    """Each kind in a fresh process of this script (``harness.in_fresh_process``)."""
+    out = {"settings": harness.settings(args), "kinds": {}}
     for kind in KINDS:
-        cmd = [sys.executable, __file__, "--kind", kind, *sys.argv[1:]]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"{kind} failed:\n{done.stderr[-3000:]}")
-        out["kinds"][kind] = json.loads(done.stdout.strip().splitlines()[-1])
+        out["kinds"][kind] = harness.in_fresh_process(__file__, kind)
     outputs = [k.pop("outputs") for k in out["kinds"].values()]
     out["outputs_identical"] = all(o == outputs[0] for o in outputs)
     return out
@@ -132,15 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-layers", type=int, default=24, help="the self-draft's layers (below the target's 30)")
     p.add_argument("--weights", default="auto")
     p.add_argument("--num-threads", type=int, default=2)
-    p.add_argument("--kind", choices=KINDS, help=argparse.SUPPRESS)     # the child process
-    args = OUTPUT.parse(p, argv)
-    if args is None:
-        return 0
-    if args.kind:
-        print(json.dumps(measure_kind(args.kind, args)))
-        return 0
-    print("wrote", OUTPUT.write(measure(args), args.out))
-    return 0
+    return harness.main_with_children(OUTPUT, p, measure, measure_kind, argv)
 
 
 if __name__ == "__main__":

@@ -239,8 +239,36 @@ class Output:
 
 
 def settings(args: argparse.Namespace) -> dict:
-    """A script's options as saved with its result: all but ``--out`` and ``--rerender``."""
-    return {k: v for k, v in vars(args).items() if k not in ("out", "rerender")}
+    """A script's options as saved with its result: all but ``--out``, ``--rerender`` and
+    ``--child`` (``main_with_children``)."""
+    return {k: v for k, v in vars(args).items() if k not in ("out", "rerender", "child")}
+
+
+# ---------------------------------------------------------------------------------- fresh processes
+def in_fresh_process(script: str, child: str, env: dict | None = None) -> dict:
+    """Run ``script`` again, with this process's arguments and ``--child CHILD``, in a fresh Python
+    process (its own memory, caches and compiled graphs; ``env``: its environment, default this
+    one's) and return the JSON object of its last stdout line. Raises with its stderr's tail when
+    it fails. The script's ``main`` is ``main_with_children``."""
+    done = subprocess.run([sys.executable, script, "--child", child, *sys.argv[1:]], capture_output=True,
+                          text=True, check=False, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{child} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main_with_children(output: Output, ap: argparse.ArgumentParser, measure: Callable[[argparse.Namespace], dict],
+                       child: Callable[[argparse.Namespace, str], dict], argv: list[str] | None = None) -> int:
+    """The whole ``main`` of a script whose measurements each run in a fresh process of itself
+    (``in_fresh_process``): with ``--child NAME`` print ``child(args, NAME)`` as one JSON line;
+    else ``Output.main`` with ``measure``."""
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = output.parse(ap, argv)
+    if args is not None and args.child:
+        print(json.dumps(child(args, args.child)))
+    elif args is not None:
+        print("wrote", output.write(measure(args), args.out))
+    return 0
 
 
 def write_json(path: str | Path, obj: Any, indent: int | None = 1) -> None:
