@@ -298,7 +298,10 @@ def _scratch_cache(model, slots: int, context: int):
 
 def _forward_call(model, forward, cache, context: int, t: int, hidden_layers: tuple[int, ...] = ()):
     """A batch-1 forward over ``t`` tokens after ``context`` cached ones, called as the engine calls
-    its verify forward, through ``forward`` (default the model)."""
+    its verify forward, through ``forward`` (default the model), and in the caller's grad mode, as
+    the engine's steps run: dynamo guards the grad mode, so timing a compiled forward under
+    ``no_grad`` compiled a second set of graphs that the engine never ran (a cold ``make demo``
+    without cached costs: 8 graphs, against the engine's 4)."""
     dev = next(model.parameters()).device
     tokens = torch.zeros(1, t, dtype=torch.long, device=dev)
     positions = torch.arange(context, context + t, device=dev)[None]
@@ -308,7 +311,6 @@ def _forward_call(model, forward, cache, context: int, t: int, hidden_layers: tu
                        kv_len=cache.kv_len([0], t))
 
 
-@torch.no_grad()
 def measure_verify(model, points: tuple[int, ...] = VERIFY_POINTS, context: int = 256,
                    hidden_layers: tuple[int, ...] = (), reps: int = 7,
                    forward=None) -> tuple[tuple[int, float], ...]:
@@ -323,12 +325,7 @@ def measure_verify(model, points: tuple[int, ...] = VERIFY_POINTS, context: int 
 def target_step(model, forward=None, context: int = 256) -> Callable[[], object]:
     """A one-token target forward (batch 1, ``context`` cached tokens, scratch cache) through
     ``forward`` (default the model): what runs between two draft steps in an engine."""
-    call = _forward_call(model, forward, _scratch_cache(model, context + 64, context), context, 1)
-
-    @torch.no_grad()
-    def step():
-        return call()
-    return step
+    return _forward_call(model, forward, _scratch_cache(model, context + 64, context), context, 1)
 
 
 def time_round_robin(calls: dict, reps: int = 7, warmup: int = 1) -> dict:
