@@ -70,11 +70,9 @@ class ChainProgram:
         self.compiled = compile
         self._catch, self._lvl = _catch_up, _level
         if compile:
-            from ..models.compiled import CPU_OPTIONS, INDUCTOR_OPTIONS, _load_ops
+            from ..models.compiled import _load_ops, compile_options
             _load_ops()
-            cpu = head.embed_tokens.device.type == "cpu"
-            options = {**(CPU_OPTIONS if cpu else INDUCTOR_OPTIONS),
-                       "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            options = compile_options(head.embed_tokens.device)
             self._catch = torch.compile(_own_copy(_catch_up), dynamic=None, options=options)
             self._lvl = torch.compile(_own_copy(_level), dynamic=None, options=options)
         self._marked: set[int] = set()

@@ -70,6 +70,13 @@ INDUCTOR_OPTIONS = {"size_asserts": False}
 CPU_OPTIONS = {**INDUCTOR_OPTIONS, "cpp.threads": 1}
 
 
+def compile_options(device: torch.device) -> dict:
+    """``torch.compile`` options of every verispec graph on ``device``: inductor's (the CPU's with
+    one kernel thread) and no guards on the modules (see the module docstring)."""
+    return {**(CPU_OPTIONS if device.type == "cpu" else INDUCTOR_OPTIONS),
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+
+
 def _row_index(rows) -> torch.Tensor:
     """Rows as a fresh CPU long tensor (a graph input: its values are never guarded)."""
     if isinstance(rows, torch.Tensor):
@@ -139,8 +146,7 @@ class CompiledForward:
         _load_ops()
         self.model = model
         self.signature = signature(model)
-        cpu = next(model.parameters()).device.type == "cpu"
-        options = {**(CPU_OPTIONS if cpu else INDUCTOR_OPTIONS), "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        options = compile_options(next(model.parameters()).device)
         self._fn = torch.compile(_own_code(model), dynamic=None, options=options)
         self.compile_s = 0.0
         self.graphs = 0
