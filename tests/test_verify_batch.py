@@ -24,7 +24,7 @@ from verispec.core.engine import Engine, Sequence
 from verispec.core.params import SamplingParams
 from verispec.core.tree import DraftTree
 from verispec.core.tree_batch import TreeBatch, _pack
-from verispec.core import verify
+from verispec.core import tree_batch, verify
 from verispec.core.verify import accept_from_probs_batch, accept_greedy_batch
 
 V = 6
@@ -93,6 +93,35 @@ def test_a_batch_of_empty_trees_packs_as_the_general_path_does(rows):
             assert a.dtype == b.dtype and torch.equal(a, b), name
         else:
             assert a == b, name
+
+
+def _same_batch(fast: TreeBatch, general: TreeBatch) -> None:
+    for name in TreeBatch.__dataclass_fields__:
+        a, b = getattr(fast, name), getattr(general, name)
+        if name == "rank_groups":
+            assert len(a) == len(b), name
+            for ga, gb in zip(a, b):
+                assert all(torch.equal(x, y) for x, y in zip(ga, gb)), name
+        elif isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        else:
+            assert a == b, name
+
+
+@pytest.mark.parametrize("sizes", [[1], [3], [2, 0, 5], [0, 4], [1, 1, 1]])
+def test_a_batch_of_chains_packs_as_the_general_path_does(sizes, monkeypatch):
+    """The chain shortcut of ``TreeBatch.pack`` (chains without q, empty rows among them) builds
+    every field the general path would; a batch with a branching tree takes the general path."""
+    g = torch.Generator().manual_seed(len(sizes) * 7 + sum(sizes))
+    trees = [DraftTree.chain(torch.randint(0, 50, (n,), generator=g)) for n in sizes]
+    starts, roots = torch.tensor([9, 31, 4][:len(sizes)]), [11, 12, 13][:len(sizes)]
+    with monkeypatch.context() as m:
+        m.setattr(tree_batch, "_pack", None)                # the shortcut must not need it
+        fast = TreeBatch.pack(trees, starts, roots)
+    _same_batch(fast, _pack(trees, starts, roots, torch.device("cpu"), None))
+    branching = trees + [DraftTree(torch.tensor([5, 6]), torch.tensor([-1, -1]))]
+    _same_batch(TreeBatch.pack(branching, torch.tensor([1] * len(branching)), [3] * len(branching)),
+                _pack(branching, torch.tensor([1] * len(branching)), [3] * len(branching), torch.device("cpu"), None))
 
 
 @pytest.mark.parametrize("host_walk", [True, False], ids=["host-walk", "batched"])

@@ -29,8 +29,8 @@ class DraftTree:
         if self.tokens.dim() != 1 or self.parents.shape != (n,):
             raise ValueError(f"tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} "
                              "must both be 1-D of the same length")
-        if n and not bool((self.parents < torch.arange(n, device=self.parents.device)).all()
-                          and (self.parents >= -1).all()):
+        # trees are small: a walk over the host list costs less than tensor comparisons
+        if n and not all(-1 <= p < i for i, p in enumerate(self.parents.tolist())):
             raise ValueError("parents must satisfy -1 <= parent[i] < i (topological order)")
         if self.q is not None and (self.q.dim() != 2 or self.q.shape[0] != n):
             raise ValueError(f"q must be [N, V] with N={n}, got {tuple(self.q.shape)}")

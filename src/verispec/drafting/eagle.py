@@ -110,19 +110,16 @@ class EagleDrafter:
             return [tree_on(DraftTree.empty(), self.device) for _ in requests]   # pending pairs wait
         if max(len(r.context) - 1 - self.cache.lengths_of([r.row])[0] for r in requests) > self._cap:
             return None                       # checked before fusing: the general path fuses them
-        feeds = [self._pending_pairs(r) for r in requests]
+        feeds = [self._pending_pairs(r, fused=False) for r in requests]
         p = max(len(toks) for toks, _ in feeds)
         dev, rows = self.device, [r.row for r in requests]
         counts = [len(toks) for toks, _ in feeds]
         tokens = torch.tensor([toks + [0] * (p - len(toks)) for toks, _ in feeds], dtype=torch.long, device=dev)
-        hidden = feeds[0][1][None] if len(feeds) == 1 else torch.stack(
-            [torch.cat([f, f.new_zeros(p - f.shape[0], f.shape[1])]) for _, f in feeds])
+        parts = _padded_parts([f for _, f in feeds], p)
         lengths = self.cache.lengths_of(rows)
         kv_len = self.cache.kv_len(rows, max(p, max(counts) + depth - 1))
-        rows_t = torch.tensor(rows, device=dev)
-        counts_t = torch.tensor(counts, device=dev)
-        lengths_t = torch.tensor(lengths, device=dev)
-        state, tok = self._chain.catch_up(self.cache, rows_t, tokens, hidden, lengths_t, counts_t, kv_len)
+        rows_t, counts_t, lengths_t = torch.tensor([rows, counts, lengths], dtype=torch.long, device=dev)
+        state, tok = self._chain.catch_up(self.cache, rows_t, tokens, parts, lengths_t, counts_t, kv_len)
         self.cache.advance(rows, counts)
         for r in requests:
             self.pending[r.row] = []
@@ -152,17 +149,20 @@ class EagleDrafter:
             self.pending[r.row] = []
         return torch.stack(hidden), torch.stack(logits)
 
-    def _pending_pairs(self, r: DraftRequest) -> tuple[list[int], torch.Tensor]:
+    def _pending_pairs(self, r: DraftRequest, fused: bool = True):
+        """The row's pending pairs: (their next tokens, features [P, h] fused by the head), or with
+        ``fused=False`` the head's unfused ``feature_parts`` (the chain program fuses them)."""
         if r.row not in self.pending:
             raise RuntimeError(f"row {r.row} was not started")
         m = len(r.context) - 1                       # target cache length; context[m] is the root
         length = int(self.cache.lengths[r.row])
-        feats = self.head.fuse(join_features(self.pending[r.row])) if self.pending[r.row] else None
-        p = 0 if feats is None else feats.shape[0]
+        joined = join_features(self.pending[r.row]) if self.pending[r.row] else None
+        parts = None if joined is None else self.head.feature_parts(joined)
+        p = 0 if parts is None else parts[0].shape[0]
         if self.seen[r.row] != m or length + p != m or p == 0:
             raise RuntimeError(f"row {r.row}: context has {m} committed tokens but the drafter saw "
                                f"{self.seen[r.row]} features and holds {length} + {p} pairs")
-        return r.context[length + 1:m + 1], feats
+        return r.context[length + 1:m + 1], (self.head.fuse_parts(parts) if fused else parts)
 
     def _feed_pairs(self, rows: list[int], feeds: list[tuple[list[int], torch.Tensor]]):
         t = max(len(toks) for toks, _ in feeds)
@@ -248,6 +248,14 @@ class EagleDrafter:
 
 def _is_chain(tree: TreeConfig) -> bool:
     return isinstance(tree, StaticTreeConfig) and tree.width == 1
+
+
+def _padded_parts(feeds: list[tuple[torch.Tensor, ...]], p: int) -> tuple[torch.Tensor, ...]:
+    """Each feature part of every row [P_i, d], zero-padded to ``p`` positions and stacked: [B, p, d]."""
+    if len(feeds) == 1:
+        return tuple(x[None] for x in feeds[0])
+    return tuple(torch.stack([torch.cat([x, x.new_zeros(p - x.shape[0], x.shape[1])]) for x in xs])
+                 for xs in zip(*feeds))
 
 
 def _chain_tree(tokens: torch.Tensor, n: int) -> DraftTree:

@@ -11,8 +11,9 @@ draft step (the catch-up's pairs, then one slot per level), so stale scratch fro
 step is never read.
 
 Contract of ``ChainProgram``:
-- ``catch_up(tokens [B,P], hidden [B,P,h], lengths [B], counts [B], rows [B], kv_len)``:
-  ``counts[i] <= P`` pending pairs of row i (fused target features with the next context tokens)
+- ``catch_up(tokens [B,P], parts, lengths [B], counts [B], rows [B], kv_len)``:
+  ``counts[i] <= P`` pending pairs of row i (target features, the head's ``feature_parts`` [B,P,d]
+  each, which the program fuses, with the next context tokens)
   at slots ``lengths[i]..``; columns past ``counts[i]`` are padding (their K/V land in scratch
   slots that later levels overwrite or never read). Returns the state at the root pair [B,1,h]
   and depth-1's draft token (target id) [B,1].
@@ -37,8 +38,10 @@ import torch
 from ..models.kv_cache import KVCache
 
 
-def _catch_up(head, tokens, positions, hidden, key, pick, cache, rows):
-    """Commit P pairs; state and argmax token at column ``pick`` [B,1]."""
+def _catch_up(head, tokens, positions, parts, key, pick, cache, rows):
+    """Commit P pairs (the head fuses their target features ``parts`` here); state and argmax
+    token at column ``pick`` [B,1]."""
+    hidden = head.fuse_parts(parts)
     mask = (key[None, None, :] <= positions[:, :, None])[:, None]
     cos, sin = head._rope(positions, hidden.dtype)
     state, out = head.layer(tokens, hidden, cos, sin, mask, cache, rows, positions, key.shape[0], select=rows)
@@ -91,15 +94,15 @@ class ChainProgram:
                 torch._dynamo.mark_dynamic(t, 2)
             self._marked.add(id(cache))
 
-    def catch_up(self, cache: KVCache, rows: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+    def catch_up(self, cache: KVCache, rows: torch.Tensor, tokens: torch.Tensor, parts: tuple[torch.Tensor, ...],
                  lengths: torch.Tensor, counts: torch.Tensor, kv_len: int):
         b, p = tokens.shape
         positions = lengths[:, None] + torch.arange(p, device=tokens.device)
         if self.compiled and p > 1:
-            for t in (tokens, positions, hidden):
+            for t in (tokens, positions, *parts):
                 torch._dynamo.maybe_mark_dynamic(t, 1)
         self._mark(cache)
-        return self._catch(self.head, tokens, positions, hidden, self._key(kv_len, tokens.device), counts - 1,
+        return self._catch(self.head, tokens, positions, parts, self._key(kv_len, tokens.device), counts - 1,
                            cache, rows)
 
     def level(self, cache: KVCache, rows: torch.Tensor, token: torch.Tensor, state: torch.Tensor,

@@ -225,9 +225,17 @@ class Eagle3Head(_HeadBase):
 
     def fuse(self, features: TargetFeatures) -> torch.Tensor:
         """[T, h] from the aux target features at T positions."""
-        parts = [features.hidden[i] for i in self.aux_layers]
+        return self.fuse_parts(self.feature_parts(features))
+
+    def feature_parts(self, features: TargetFeatures) -> tuple[torch.Tensor, ...]:
+        """The target features ``fuse_parts`` takes: the aux layers' hidden states, in fc order."""
+        return tuple(features.hidden[i] for i in self.aux_layers)
+
+    def fuse_parts(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """[..., h] from ``feature_parts`` [..., target h] each: per-layer norm (EAGLE-3.1),
+        concatenation, ``fc``. Traceable: the chain program fuses inside its compiled catch-up."""
         if self.fc_norm is not None:
-            parts = [norm(p) for norm, p in zip(self.fc_norm, parts)]
+            parts = tuple(norm(p) for norm, p in zip(self.fc_norm, parts))
         return self.fc(torch.cat(parts, dim=-1).to(self.fc.weight.dtype))
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
@@ -334,7 +342,14 @@ class Eagle1Head(_HeadBase):
         return reader(x) if reader is not None else F.linear(x, self.target_lm_head)
 
     def fuse(self, features: TargetFeatures) -> torch.Tensor:
-        return features.last_hidden.to(self.fc.weight.dtype)
+        return self.fuse_parts(self.feature_parts(features))
+
+    def feature_parts(self, features: TargetFeatures) -> tuple[torch.Tensor, ...]:
+        """The target's last hidden state (after its final norm), alone."""
+        return (features.last_hidden,)
+
+    def fuse_parts(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return parts[0].to(self.fc.weight.dtype)
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return self.vocab_ids[ids] if self.vocab_ids is not None else ids
