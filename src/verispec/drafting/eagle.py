@@ -64,6 +64,9 @@ class EagleDrafter:
         self.seen: dict[int, int] = {}        # context positions whose features arrived
         # a chain (one child per node) drafts through ``eagle_chain``: static shapes, no host sync
         self._chain = chain_program(head, compile) if _is_chain(tree) else None
+        if self._chain is not None and compile and max_batch > 1 and not self._chain.gather_warmed:
+            self._chain.gather_warmed = True          # an engine of several rows drafts subsets of them
+            warm_chain(head, tree.max_depth, gathered=True)
 
     # -- protocol --------------------------------------------------------------------------
     def start(self, row: int, prompt_ids: list[int], features: TargetFeatures | None) -> None:
@@ -119,13 +122,14 @@ class EagleDrafter:
         lengths = self.cache.lengths_of(rows)
         kv_len = self.cache.kv_len(rows, max(p, max(counts) + depth - 1))
         rows_t, counts_t, lengths_t = torch.tensor([rows, counts, lengths], dtype=torch.long, device=dev)
-        state, tok = self._chain.catch_up(self.cache, rows_t, tokens, parts, lengths_t, counts_t, kv_len)
+        first = rows == list(range(len(rows)))
+        state, tok = self._chain.catch_up(self.cache, rows_t, tokens, parts, lengths_t, counts_t, kv_len, first)
         self.cache.advance(rows, counts)
         for r in requests:
             self.pending[r.row] = []
         drafted, position = [tok], (lengths_t + counts_t)[:, None]
         for d in range(1, depth):
-            state, tok = self._chain.level(self.cache, rows_t, tok, state, position + (d - 1), kv_len)
+            state, tok = self._chain.level(self.cache, rows_t, tok, state, position + (d - 1), kv_len, first)
             drafted.append(tok)
         chains = torch.cat(drafted, 1)
         return [_chain_tree(chains[i], self._budget(r)) for i, r in enumerate(requests)]
@@ -372,11 +376,13 @@ def build_eagle_factory(config: TreeHeadConfig, target, kind: HeadKind, forward=
     return factory
 
 
-def warm_chain(head: EagleHead, depth: int) -> None:
+def warm_chain(head: EagleHead, depth: int, gathered: bool = False) -> None:
     """Compile the chain program's graphs now, not in a request's first steps: the catch-up over
-    one pending pair and over several (a step that accepted tokens), and the one-token level."""
+    one pending pair and over several (a step that accepted tokens), and the one-token level; for
+    rows 0..B-1 (a batch-1 engine), or with ``gathered`` for other rows (an engine of several)."""
     with torch.no_grad():
-        _run_steps(head, StaticTreeConfig.chain(depth), 32, accepts=(0, 1, depth, 0, 1), compile=True)
+        _run_steps(head, StaticTreeConfig.chain(depth), 32, accepts=(0, 1, depth, 0, 1), compile=True,
+                   row=1 if gathered else 0)
 
 
 def _compiled(forward) -> bool:
@@ -418,28 +424,30 @@ def draft_costs(head: EagleHead, context: int = 256, reps: int = 7, between=None
     return fixed, tuple(levels), (one, max(0.0, (three - one) / 2))
 
 
-def _primed(head: EagleHead, tree: TreeConfig, context: int, room: int, compile: bool, tree_path: bool = False):
-    """A batch-1 drafter over ``tree`` started on zero features after a ``context``-token prompt
-    (``room`` more tokens fit), the feature maker, the context list and a request maker."""
-    drafter = EagleDrafter(head, tree, max_batch=1, max_len=context + room + 16, compile=compile)
+def _primed(head: EagleHead, tree: TreeConfig, context: int, room: int, compile: bool, tree_path: bool = False,
+            row: int = 0):
+    """A drafter over ``tree`` whose row ``row`` (of ``row + 1``) is started on zero features after
+    a ``context``-token prompt (``room`` more tokens fit), the feature maker, the context list and
+    a request maker."""
+    drafter = EagleDrafter(head, tree, max_batch=row + 1, max_len=context + room + 16, compile=compile)
     if tree_path:
         drafter._chain = None
     h = torch.zeros(1, head.cfg.target_hidden_size, dtype=head.embed_tokens.dtype, device=drafter.device)
     feats = lambda n: TargetFeatures({i: h.expand(n, -1) for i in head.hidden_layers},   # noqa: E731
                                      h.expand(n, -1) if head.needs_last_hidden else None)
     ctx = [1] * (context + 1)
-    drafter.start(0, ctx[:-1], feats(context))
-    req = lambda: DraftRequest(0, ctx, SamplingParams(), torch.Generator(device="cpu"))   # noqa: E731
+    drafter.start(row, ctx[:-1], feats(context))
+    req = lambda: DraftRequest(row, ctx, SamplingParams(), torch.Generator(device="cpu"))   # noqa: E731
     return drafter, feats, ctx, req
 
 
-def _run_steps(head: EagleHead, tree: TreeConfig, context: int, accepts, compile: bool) -> None:
-    """Draft steps on zero features after a ``context``-token prompt, accepting ``accepts[i]``
-    draft tokens (plus the root) after step i."""
-    drafter, feats, ctx, req = _primed(head, tree, context, sum(accepts) + len(accepts), compile)
+def _run_steps(head: EagleHead, tree: TreeConfig, context: int, accepts, compile: bool, row: int = 0) -> None:
+    """Draft steps of row ``row`` on zero features after a ``context``-token prompt, accepting
+    ``accepts[i]`` draft tokens (plus the root) after step i."""
+    drafter, feats, ctx, req = _primed(head, tree, context, sum(accepts) + len(accepts), compile, row=row)
     for a in accepts:
         drafter.propose([req()])
-        drafter.accept(0, [1] * (a + 1), feats(a + 1))
+        drafter.accept(row, [1] * (a + 1), feats(a + 1))
         ctx += [1] * (a + 1)
 
 

@@ -18,6 +18,8 @@ Contract of ``ChainProgram``:
   slots that later levels overwrite or never read). Returns the state at the root pair [B,1,h]
   and depth-1's draft token (target id) [B,1].
 - ``level(token [B,1], state [B,1,h], positions [B,1], rows [B], kv_len)``: one more level.
+- ``first_rows``: the rows are 0..B-1 (as a batch-1 engine's row 0 is), so attention reads the
+  cache through views; otherwise through the row index, which copies the attended K/V.
 - ``kv_len``: a host int >= every slot the call attends plus one (a bucket: ``bucket_len``); only
   the first ``kv_len`` slots are read. The committed lengths move on the host (``KVCache.advance``)
   by the caller, after the catch-up.
@@ -38,24 +40,32 @@ import torch
 from ..models.kv_cache import KVCache
 
 
-def _catch_up(head, tokens, positions, parts, key, pick, cache, rows):
+def _catch_up(head, tokens, positions, parts, key, pick, cache, rows, first_rows: bool):
     """Commit P pairs (the head fuses their target features ``parts`` here); state and argmax
     token at column ``pick`` [B,1]."""
     hidden = head.fuse_parts(parts)
     mask = (key[None, None, :] <= positions[:, :, None])[:, None]
     cos, sin = head._rope(positions, hidden.dtype)
-    state, out = head.layer(tokens, hidden, cos, sin, mask, cache, rows, positions, key.shape[0], select=rows)
+    state, out = head.layer(tokens, hidden, cos, sin, mask, cache, rows, positions, key.shape[0],
+                            select=_reads(rows, tokens, first_rows))
     idx = pick[:, None, None].expand(-1, 1, state.shape[-1])
     state, out = torch.gather(state, 1, idx), torch.gather(out, 1, idx)
     return state, head.draft_to_target(head.logits_of(out).argmax(-1))
 
 
-def _level(head, token, positions, state, key, cache, rows):
+def _level(head, token, positions, state, key, cache, rows, first_rows: bool):
     """One chain level: the pair (parent state, token) at ``positions`` [B,1]."""
     mask = (key[None, None, :] <= positions[:, :, None])[:, None]
     cos, sin = head._rope(positions, state.dtype)
-    state, out = head.layer(token, state, cos, sin, mask, cache, rows, positions, key.shape[0], select=rows)
+    state, out = head.layer(token, state, cos, sin, mask, cache, rows, positions, key.shape[0],
+                            select=_reads(rows, token, first_rows))
     return state, head.draft_to_target(head.logits_of(out).argmax(-1))
+
+
+def _reads(rows: torch.Tensor, tokens: torch.Tensor, first_rows: bool):
+    """What the attention reads the cache through: rows 0..B-1 as a slice (views of the cache), or
+    the row index (a gather that copies every attended slot's K/V: 400 KB a call at 256 slots)."""
+    return slice(0, tokens.shape[0]) if first_rows else rows
 
 
 def _own_copy(fn):
@@ -79,6 +89,7 @@ class ChainProgram:
             self._catch = torch.compile(_own_copy(_catch_up), dynamic=None, options=options)
             self._lvl = torch.compile(_own_copy(_level), dynamic=None, options=options)
         self._marked: set[int] = set()
+        self.gather_warmed = False            # the graphs for rows other than 0..B-1 compiled (``eagle.warm_chain``)
 
     def _key(self, kv_len: int, device) -> torch.Tensor:
         key = torch.arange(kv_len, device=device)
@@ -95,7 +106,7 @@ class ChainProgram:
             self._marked.add(id(cache))
 
     def catch_up(self, cache: KVCache, rows: torch.Tensor, tokens: torch.Tensor, parts: tuple[torch.Tensor, ...],
-                 lengths: torch.Tensor, counts: torch.Tensor, kv_len: int):
+                 lengths: torch.Tensor, counts: torch.Tensor, kv_len: int, first_rows: bool = False):
         b, p = tokens.shape
         positions = lengths[:, None] + torch.arange(p, device=tokens.device)
         if self.compiled and p > 1:
@@ -103,12 +114,13 @@ class ChainProgram:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
         self._mark(cache)
         return self._catch(self.head, tokens, positions, parts, self._key(kv_len, tokens.device), counts - 1,
-                           cache, rows)
+                           cache, rows, first_rows)
 
     def level(self, cache: KVCache, rows: torch.Tensor, token: torch.Tensor, state: torch.Tensor,
-              positions: torch.Tensor, kv_len: int):
+              positions: torch.Tensor, kv_len: int, first_rows: bool = False):
         self._mark(cache)
-        return self._lvl(self.head, token, positions, state, self._key(kv_len, token.device), cache, rows)
+        return self._lvl(self.head, token, positions, state, self._key(kv_len, token.device), cache, rows,
+                         first_rows)
 
 
 def chain_program(head, compile: bool) -> ChainProgram:
