@@ -8,7 +8,9 @@ round, and reports medians per step of the "rest".
 
     python benchmarks/step_overhead.py --src /path/before/src --src src --label before --label after
 
-Results: ``benchmarks/results/step_overhead.{json,md}``. Target: SmolLM2-135M fp16-packed, 2 threads.
+Results: ``benchmarks/results/step_overhead.{json,md}``. Target: SmolLM2-135M, fp16-packed weights
+unless ``--weights`` says otherwise, 2 threads. With ``--configs compiled`` the table also sets each
+drafted step beside a plain one: what a step of each config costs over vanilla's, per tree.
 """
 from __future__ import annotations
 
@@ -33,17 +35,18 @@ COMPILED = [
     ("eagle3 chain of 1, compiled", {"method": "eagle3", "num_speculative_tokens": 1}, 0.0, 1),
     ("eagle3 chain of 2, compiled", {"method": "eagle3", "num_speculative_tokens": 2}, 0.0, 1),
     ("medusa 2 siblings, compiled", {"method": "medusa", "tree": [[0], [1]]}, 0.0, 1),
+    ("suffix, compiled", {"method": "suffix"}, 0.0, 1),
 ]
 
 
-def worker(max_tokens: int, prompts: int, configs: str = "eager") -> dict:
+def worker(max_tokens: int, prompts: int, configs: str = "eager", weights: str = "fp16") -> dict:
     """Time every step of each config on this process's verispec; print JSON."""
     import torch
     from verispec import LLM, SamplingParams
     from verispec.data import per_category, spec_bench_questions
     from verispec.models.loading import load_model
     torch.set_num_threads(2)
-    target = load_model("smollm2-135m", weights="fp16")
+    target = load_model("smollm2-135m", weights=weights)
     tok = target.tokenizer
     qs = per_category(spec_bench_questions(), 1)[:prompts]
     ids = [tok(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
@@ -114,10 +117,12 @@ def main() -> None:
     ap.add_argument("--configs", choices=("eager", "compiled"), default="eager",
                     help="eager: the 2026-12-03 set (eager forwards, trees, batch 4); compiled: batch-1 greedy "
                          "steps on compiled forwards, the default configs' shapes")
+    ap.add_argument("--weights", default="fp16", help="the target's weights (fp16: the 2026-12-03 runs; int4: the "
+                                                      "fast path)")
     if "--worker" in sys.argv[1:]:        # one tree's worker: that tree's verispec may predate bench.harness
         ap.add_argument("--worker", action="store_true")
         a = ap.parse_args()
-        print(json.dumps(worker(a.max_tokens, a.prompts, a.configs)))      # to the driver's pipe
+        print(json.dumps(worker(a.max_tokens, a.prompts, a.configs, a.weights)))   # to the driver's pipe
         return
     from verispec.bench import harness
     harness.add_tree_options(ap, rounds=3)
@@ -127,13 +132,14 @@ def main() -> None:
         return
     machine = harness.machine_record()
     runs = harness.run_trees(__file__, a.src, a.label, a.rounds, ["--max-tokens", str(a.max_tokens), "--prompts",
-                                                                 str(a.prompts), "--configs", a.configs],
+                                                                 str(a.prompts), "--configs", a.configs,
+                                                                 "--weights", a.weights],
                              env={"OMP_WAIT_POLICY": "PASSIVE"})
     labels, names = list(runs), list(runs[a.label[0]][0])
     med = {lab: {n: {k: statistics.median(run[n][k] for run in runs[lab]) for k in runs[lab][0][n]}
                  for n in names} for lab in labels}
     res = {"machine": machine, "rounds": a.rounds, "max_tokens": a.max_tokens, "prompts": a.prompts,
-           "runs": runs, "median": med}
+           "weights": a.weights, "runs": runs, "median": med}
     print(out.write(res, a.out).read_text())
 
 
@@ -141,7 +147,8 @@ def render(res: dict) -> str:
     med = res["median"]
     labels = list(med)
     names = list(med[labels[0]])
-    lines = [f"SmolLM2-135M fp16-packed, 2 threads, {res['prompts']} Spec-Bench prompts, "
+    weights = {"fp16": "fp16-packed"}.get(res.get("weights", "fp16"), res.get("weights"))
+    lines = [f"SmolLM2-135M {weights}, 2 threads, {res['prompts']} Spec-Bench prompts, "
              f"{res['max_tokens']} tokens, median over steps, then over {res['rounds']} interleaved rounds.", "",
              "| config | " + " | ".join(f"{lab}: rest ms/step" for lab in labels) + " | ratio | forward ms | propose ms |"
              " step ms | rest share |",
@@ -154,6 +161,21 @@ def render(res: dict) -> str:
         lines.append(f"| {n} | " + " | ".join(f"{x:.2f}" for x in rest) +
                      f" | {rest[0] / rest[-1]:.2f}x | {last['forward_ms']:.1f} | "
                      f"{last['propose_ms']:.2f} | {f'{step:.2f}' if step else '–'} | {share} |")
+    plain = next((n for n in names if n.startswith("vanilla")), None)
+    if plain is not None and all("step_ms" in med[lab][plain] for lab in labels):
+        lines += ["", "A step of each config over a plain (vanilla) step of the same tree, in ms: its step, and "
+                      "the parts (propose, verify forward, rest) of the difference.", "",
+                  "| config | " + " | ".join(f"{lab}: over vanilla (propose + forward + rest)" for lab in labels) + " |",
+                  "|---|" + "---|" * len(labels)]
+        for n in names:
+            if n == plain:
+                continue
+            cells = []
+            for lab in labels:
+                m, v = med[lab][n], med[lab][plain]
+                cells.append(f"{m['step_ms'] - v['step_ms']:+.2f} ({m['propose_ms'] - v['propose_ms']:+.2f} "
+                             f"{m['forward_ms'] - v['forward_ms']:+.2f} {m['rest_ms'] - v['rest_ms']:+.2f})")
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -230,9 +230,10 @@ SUITES: tuple[Suite, ...] = (
            "which grammar library for structured output (mask cost, correctness)", "SmolLM2 tokenizer", group="serve"),
     script("suffix-step-cost", "suffix_step_cost.py", "", "suffix_step_cost.md",
            "the suffix drafter's cost per step outside the model", "2000-token prompt, 200 steps", group="serve"),
-    script("step-overhead", "step_overhead.py", "--configs compiled --out benchmarks/results/step_overhead_compiled",
-           "step_overhead_compiled.md", "time a decoding step spends outside the draft and target forwards",
-           "SmolLM2 fp16 compiled, 4 Spec-Bench prompts, 48 tokens, batch 1", group="serve",
+    script("step-overhead", "step_overhead.py", "--configs compiled --weights int4 --prompts 8 --max-tokens 64 "
+           "--out benchmarks/results/step_overhead_compiled",
+           "step_overhead_compiled.md", "what a drafted step costs over a plain one, and the time outside the forwards",
+           "SmolLM2 int4 compiled, 8 Spec-Bench prompts, 64 tokens, batch 1", group="serve",
            note="a before/after run: pass --src/--label for the trees to compare (harness.run_trees)"),
     # --- training
     script("train-throughput", "train_throughput.py", f"--data {REGEN} --limit 48", "train_throughput.md",
