@@ -179,8 +179,8 @@ def _chain_structure(sizes: tuple[int, ...], device: torch.device) -> dict:
     size_t = torch.tensor(sizes, **host)[:, None]
     entry = torch.arange(t, **host)
     inside = entry[None] <= size_t                                    # [B, T]: root and nodes
-    mask = torch.where(inside[:, :, None], torch.ones(t, t, dtype=torch.bool).tril()[None],
-                       torch.eye(t, dtype=torch.bool)[None])          # padding sees only itself
+    mask = torch.where(inside[:, :, None], torch.ones(t, t, dtype=torch.bool, device="cpu").tril()[None],
+                       torch.eye(t, dtype=torch.bool, device="cpu")[None])   # padding sees only itself
     valid = entry[None, 1:] <= size_t
     rows = [r for r, size in enumerate(sizes) for _ in range(size)]
     nodes = [i for size in sizes for i in range(size)]
