@@ -121,7 +121,8 @@ class EagleDrafter:
         parts = _padded_parts([f for _, f in feeds], p)
         lengths = self.cache.lengths_of(rows)
         kv_len = self.cache.kv_len(rows, max(p, max(counts) + depth - 1))
-        rows_t, counts_t, lengths_t = torch.tensor([rows, counts, lengths], dtype=torch.long, device=dev)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)     # a graph input: a tensor of its own
+        counts_t, lengths_t = torch.tensor([counts, lengths], dtype=torch.long, device=dev)
         first = rows == list(range(len(rows)))
         state, tok = self._chain.catch_up(self.cache, rows_t, tokens, parts, lengths_t, counts_t, kv_len, first)
         self.cache.advance(rows, counts)
