@@ -4,11 +4,11 @@ Contract
 - ``build(name, source)`` compiles ``csrc/<source>`` into an importable module (once per machine
   and source: the build is cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``, under
   ``verispec/<name>-<hash>``, the hash of the sources, flags, torch and Python, and of where the
-  sources and the environment are, so two checkouts never rebuild each other's op) and returns it; it raises what the build
-  raised. Concurrent processes build it once: they queue on an OS lock (``flock``), which the
-  kernel releases when its holder dies. torch's own lock file is a plain file that a killed build
-  leaves behind, after which every later load waited forever without a word; under the OS lock
-  such a file can only be stale, so it is removed, with a warning.
+  sources and the environment are, so two checkouts never rebuild each other's op) and returns
+  it; it raises what the build raised. Concurrent processes build it once: they queue on an OS
+  lock (``flock``), which the kernel releases when its holder dies. torch's own lock file is a
+  plain file that a killed build leaves behind, after which every later load waited forever
+  without a word; under the OS lock such a file can only be stale, so it is removed, with a warning.
 - ``failure(exc, source)`` turns a build error into one line (the compiler's first error), for
   the callers' fallback warnings.
 - FBGEMM's public headers include asmjit only for register types of its code generators, which
