@@ -165,6 +165,7 @@ CASES = [  # (head, method, tree keys, batch, prompts used): each method sees a 
     ("e1_random", "eagle", {"tree": TINY_STATIC}, 1, 1),
     ("e3_trained", "eagle3", SMALL_DYNAMIC, 1, 2),
     ("e3_trained", "eagle3", {"num_speculative_tokens": 3}, 4, 4),
+    ("e3_trained", "eagle3", {"head_context": 4, "num_speculative_tokens": 3}, 1, 2),
     ("e1_trained", "eagle", SMALL_DYNAMIC, 4, 4),
 ]
 
@@ -282,6 +283,36 @@ def _check_chains(head, seqs, full, fused, g, compile: bool) -> None:
             m[row] += a + 1
     # all but step 0 (the prompt) and step 5 (pending pairs of two steps, after the skipped one)
     assert calls["chain"] == 5
+
+
+@pytest.mark.parametrize("tree", [StaticTreeConfig.chain(3),
+                                  StaticTreeConfig.from_choices([[0], [1], [0, 0], [1, 0]])], ids=["chain", "tree"])
+def test_a_windowed_prompt_drafts_as_its_tail_alone(tree, one_thread):
+    """``context_window``: a row started on a 20-token prompt with a window of 6 drafts exactly
+    what a row started on the prompt's last 6 tokens drafts (the head's positions count from its
+    first pair), step after step; a window as long as the prompt changes nothing."""
+    head, seqs, full, _, g = _two_rows(HeadKind.EAGLE3, {}, 40, (0, 1))
+    seq, f, m, w = seqs[0], full[0], 20, 6
+    lo = m - w
+    windowed = EagleDrafter(head, tree, max_batch=2, max_len=64, context_window=w)
+    tail = EagleDrafter(head, tree, max_batch=2, max_len=64)
+    whole = EagleDrafter(head, tree, max_batch=2, max_len=64, context_window=m)
+    plain = EagleDrafter(head, tree, max_batch=2, max_len=64)
+    windowed.start(1, seq[:m], _slice(f, 0, m))
+    tail.start(1, seq[m - w:m], _slice(f, m - w, m))
+    whole.start(0, seq[:m], _slice(f, 0, m))
+    plain.start(0, seq[:m], _slice(f, 0, m))
+    for step, a in enumerate([1, 0, 2, 1]):
+        req = lambda row, lo: [DraftRequest(row, seq[lo:m + 1], SamplingParams(temperature=0), g)]
+        got, want = windowed.propose(req(1, 0))[0], tail.propose(req(1, lo))[0]
+        assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+        assert whole.propose(req(0, 0))[0].tokens.tolist() == plain.propose(req(0, 0))[0].tokens.tolist()
+        for d, row in ((windowed, 1), (tail, 1), (whole, 0), (plain, 0)):
+            d.accept(row, seq[m:m + a + 1], _slice(f, m, m + a + 1))
+        m += a + 1
+    assert windowed.cache.lengths_of([1]) == tail.cache.lengths_of([1])
+    with pytest.raises(ValueError, match="context_window"):
+        EagleDrafter(head, tree, max_batch=1, max_len=8, context_window=0)
 
 
 def _two_rows(kind, kw, n: int, rows: tuple[int, ...] = (1, 2)):
@@ -409,6 +440,10 @@ def test_config_errors(target, heads, monkeypatch):
     with pytest.raises(SpecConfigError, match="eagle3"):
         LLM(loaded=target, speculative_config={"method": "eagle", "model": str(heads["e1_random"]),
                                                "eagle_aux_hidden_state_layer_ids": [2, 15, 27]})
+    with pytest.raises(SpecConfigError, match="'head_context' must be an integer >= 0"):
+        LLM(loaded=target, speculative_config={"method": "eagle3", "model": e3, "head_context": -1})
+    with pytest.raises(SpecConfigError, match="'head_context' must be an integer >= 0"):
+        LLM(loaded=target, speculative_config={"method": "hybrid", "model": e3, "head_context": "all"})
     with pytest.raises(SpecConfigError, match="EAGLE-3 checkpoint"):
         LLM(loaded=target, speculative_config={"method": "eagle", "model": e3})
     llm = LLM(loaded=target, speculative_config={"method": "eagle3", "model": e3, "rank_by": "confidence",

@@ -183,10 +183,15 @@ class TreeHeadConfig(SpeculativeConfig):
                                              # none (default: the head folder's draft_vocab.safetensors)
     adaptive_drafting: bool | None = None    # a draft budget per request and step (draft_gate);
                                              # default: on for a shape chosen from measured costs
+    head_context: int | None = None          # a prompt's last pairs the head catches up on at the start
+                                             # (default: HEAD_CONTEXT); 0: the whole prompt
 
     def check(self) -> None:
         super().check()
         _check_bool(self, "adaptive_drafting")
+        n = self.head_context
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise SpecConfigError(f"speculative_config 'head_context' must be an integer >= 0, got {n!r}")
         dynamic = [k for k in ("topk", "depth", "num_draft_tokens") if getattr(self, k) is not None]
         if dynamic and self.tree is not None:
             raise SpecConfigError(f"give either a static 'tree' or dynamic-tree keys {dynamic}, not both")
@@ -281,6 +286,7 @@ class HybridConfig(SpeculativeConfig):
     method: ClassVar[str] = SpecMethod.HYBRID.value
     model: str | None = None                 # EAGLE-3 head folder (default: the shipped head)
     draft_vocab: str | None = None           # the head's runtime vocabulary cut, as for eagle3
+    head_context: int | None = None          # the head's prompt window, as for eagle3
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
@@ -289,6 +295,7 @@ class HybridConfig(SpeculativeConfig):
     def check(self) -> None:
         super().check()
         self.suffix_config()
+        self.head_config().check()
 
     def suffix_config(self) -> SuffixConfig:
         """The suffix half (checked as method 'suffix' checks it)."""
@@ -302,7 +309,8 @@ class HybridConfig(SpeculativeConfig):
 
     def head_config(self) -> Eagle3Config:
         """The head half: an ``eagle3`` config, its shape chosen from costs, adaptive drafting off."""
-        return Eagle3Config(model=self.model, draft_vocab=self.draft_vocab, adaptive_drafting=False)
+        return Eagle3Config(model=self.model, draft_vocab=self.draft_vocab, adaptive_drafting=False,
+                            head_context=self.head_context)
 
 
 @dataclass(frozen=True)
