@@ -45,10 +45,9 @@ from .eagle_head import Eagle3Head, EagleHead, HeadKind
 DEFAULT_DYNAMIC_TREE = DynamicTreeConfig(topk=8, depth=6)
 
 # A prompt's last pairs a head catches up on when a request starts (``head_context``). The shipped
-# SmolLM2 EAGLE-3 head drafted as well from its last 64 as from all of them (tokens per step of a
-# fixed 3-chain on 16 long Spec-Bench prompts, questions 3-6 of rag, summarization, extraction and
-# stem: 1.309 all, 1.306 at 512, 1.305 at 256, 1.308 at 128, 1.306 at 64, 1.299 at 32), while the
-# catch-up over a 700-token rag prompt took 46-56 ms against 8 ms over 128 (int4 + compile).
+# SmolLM2 EAGLE-3 head drafted as well from its last 128 as from all of them (1.308 against 1.309
+# tokens per step of a fixed 3-chain on 16 long Spec-Bench prompts; 1.299 at 32), and a request's
+# first draft step after a 1024-token prompt took 7.7 ms against 62.5 (benchmarks/results/head_context.md).
 HEAD_CONTEXT = 128
 
 
