@@ -192,7 +192,7 @@ class EagleDrafter:
         The head's positions (RoPE, slots) count from its first pair: attention sees only
         distances, so a windowed row's pairs sit at slots 0.. and mean what they would at their
         context positions."""
-        return self.skipped[row] + self.cache.lengths_of([row])[0]
+        return self.skipped.get(row, 0) + self.cache.lengths_of([row])[0]
 
     def _feed_pairs(self, rows: list[int], feeds: list[tuple[list[int], torch.Tensor]]):
         t = max(len(toks) for toks, _ in feeds)
