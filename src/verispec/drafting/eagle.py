@@ -7,9 +7,10 @@ Per batch row the drafter keeps
 - the head's ``KVCache`` row: committed pairs (f_t, x_{t+1}) for t = 0..L-1, all made from
   *target* features (never from the head's own guesses);
 - ``pending``: target features that arrived (``start``: the prompt's positions, or its last
-  ``context_window`` ones; ``accept``: the committed positions) whose following token was not known yet. They are fused (``head.fuse``)
-  at the next catch-up, all at once: a row that skips drafting for a while (adaptive drafting,
-  ``draft_gate``) pays one fused matmul when it drafts again, not one per step.
+  ``context_window`` ones; ``accept``: the committed positions) whose following token was not
+  known yet. They are fused (``head.fuse``) at the next catch-up, all at once: a row that skips
+  drafting for a while (adaptive drafting, ``draft_gate``) pays one fused matmul when it drafts
+  again, not one per step.
 Each ``propose``:
 1. catch up: feed the pending pairs (pending features with the context tokens one position
    later; the last pair uses the root) in one ragged batched forward and commit them; the output
