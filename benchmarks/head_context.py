@@ -14,34 +14,33 @@ measures both sides of a window:
   512 and 1024 tokens, fastest of ``--reps``, the head packed int4 as it runs beside the int4
   target.
 
-    python benchmarks/head_context.py [--reps 5]
+    python benchmarks/head_context.py [--model smollm2-135m] [--reps 5] [--per-category 4] [--windows 0,128]
 
-Writes benchmarks/results/head_context.{json,md}. SmolLM2-135M int4, 2 threads, eager forwards
-(the catch-up runs the head eagerly on any path).
+Writes benchmarks/results/head_context_<model>.{json,md}. The model's shipped EAGLE-3 head, the
+int4 target (``weights="auto"`` of its Q4 GGUF), 2 threads, eager forwards (the catch-up runs the
+head eagerly on any path).
 """
 from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from verispec.bench import harness
 
-ROOT = Path(__file__).resolve().parent.parent
 WINDOWS = (0, 512, 256, 128, 64, 32)          # 0: the whole prompt
 CATEGORIES = ("rag", "summarization", "extraction", "stem")
 PROMPT_LENGTHS = (256, 512, 1024)
 
 
-def acceptance(target, max_tokens: int) -> dict:
+def acceptance(target, max_tokens: int, per: int, windows: tuple[int, ...]) -> dict:
     """{window: {"tokens": n, "steps": s}} over the long-prompt questions; outputs must agree."""
     from verispec import LLM, SamplingParams
     from verispec.data import spec_bench_questions
     qs = spec_bench_questions()
-    prompts = [q for c in CATEGORIES for q in [q for q in qs if q["category"] == c][2:6]]
+    prompts = [q for c in CATEGORIES for q in [q for q in qs if q["category"] == c][2:2 + per]]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     out, first = {}, None
-    for w in WINDOWS:
+    for w in windows:
         llm = LLM(loaded=target, speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
                                                      "adaptive_drafting": False, "head_context": w},
                   max_num_seqs=len(prompts))
@@ -80,31 +79,47 @@ def first_step_ms(head, window: int, prompt: int, reps: int) -> float:
     return best * 1e3
 
 
-def costs(target, reps: int) -> dict:
+def load_head(target, model: str):
+    """The model's shipped EAGLE-3 head with its draft vocabulary cut, packed int4 (as it runs)."""
+    from verispec.drafting.draft_vocab import head_vocab
+    from verispec.drafting.eagle_head import HeadKind
+    from verispec.drafting.shipped import shipped_head
+    from verispec.formats import load_eagle_head
+    folder = shipped_head(model, "eagle3")
+    if folder is None:
+        raise SystemExit(f"no EAGLE-3 head is shipped for {model}")
+    head = load_eagle_head(str(folder), target.model, HeadKind.EAGLE3)
+    vocab = head_vocab(None, str(folder), head.cfg.vocab_size)
+    if vocab is not None:
+        head.restrict_vocab_(vocab.draft_ids)
+    return head.pack_("int4", target.model.lm_head)
+
+
+def costs(target, model: str, reps: int, windows: tuple[int, ...]) -> dict:
     """{prompt length: {window: ms}} of the first draft step."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from draft_level_cost import load_head
-    head = load_head(target, "eagle3")
-    return {str(p): {str(w): first_step_ms(head, w, p, reps) for w in WINDOWS} for p in PROMPT_LENGTHS}
+    head = load_head(target, model)
+    return {str(p): {str(w): first_step_ms(head, w, p, reps) for w in windows} for p in PROMPT_LENGTHS}
 
 
 def measure(args: argparse.Namespace) -> dict:
     import torch
     from verispec.models.loading import load_model
     torch.set_num_threads(2)
-    target = load_model("smollm2-135m", weights="int4")
-    return {"machine": harness.machine_record(), "reps": args.reps, "max_tokens": args.max_tokens,
-            "acceptance": acceptance(target, args.max_tokens), "first_step_ms": costs(target, args.reps)}
+    target = load_model(args.model, weights="int4")
+    windows = tuple(int(w) for w in args.windows.split(","))
+    return {"machine": harness.machine_record(), "model": args.model, "reps": args.reps,
+            "max_tokens": args.max_tokens, "acceptance": acceptance(target, args.max_tokens, args.per_category, windows),
+            "first_step_ms": costs(target, args.model, args.reps, windows)}
 
 
 def render(res: dict) -> str:
     acc, cost = res["acceptance"]["windows"], res["first_step_ms"]
     name = lambda w: "whole prompt" if w == "0" else w      # noqa: E731
-    lines = ["SmolLM2-135M int4, the shipped EAGLE-3 head (packed int4), 2 threads, eager forwards.", "",
+    lines = [f"`{res.get('model', 'smollm2-135m')}` int4, its shipped EAGLE-3 head (packed int4), 2 threads, "
+             "eager forwards.", "",
              f"## Acceptance: a fixed 3-chain every step, {res['max_tokens']} new tokens, greedy",
-             "", f"Spec-Bench questions {res['acceptance']['questions']} (3-6 of {', '.join(CATEGORIES)}); "
-             "the 16 in one batch; every window's outputs identical.", "",
+             "", f"Spec-Bench questions {res['acceptance']['questions']} (from the third of {', '.join(CATEGORIES)}); "
+             "all in one batch; every window's outputs identical.", "",
              "| head_context | tokens | steps | tokens per step |", "|---|---|---|---|"]
     for w, a in acc.items():
         lines.append(f"| {name(w)} | {a['tokens']} | {a['steps']} | {a['tokens'] / a['steps']:.3f} |")
@@ -116,13 +131,16 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-OUT = harness.Output("head_context", "EAGLE head context window: acceptance and first-step cost", render)
+OUT = harness.Output("head_context", "EAGLE head context window: acceptance and first-step cost", render,
+                     model="smollm2-135m")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--per-category", type=int, default=4, help="questions per category, from the third")
+    ap.add_argument("--windows", default=",".join(map(str, WINDOWS)), help="head_context values (0: all)")
     OUT.main(ap, measure)
 
 

@@ -168,9 +168,13 @@ SUITES: tuple[Suite, ...] = (
     script("draft-level-cost", "draft_level_cost.py", "", "draft_level_cost.md",
            "one draft step of each shipped head by how its matmuls are packed (fp16, int8, int4)",
            "SmolLM2 int4 target, shipped heads, 2 threads, batch 1, 256-token context", group="heads"),
-    script("head-context", "head_context.py", "", "head_context.md",
+    script("head-context", "head_context.py", "", "head_context_smollm2-135m.md",
            "how much of a prompt an EAGLE head must read: acceptance and first-step cost by head_context",
            "SmolLM2 int4, shipped EAGLE-3 head, 16 long Spec-Bench prompts (questions 3-6), 2 threads", group="heads"),
+    script("head-context-qwen", "head_context.py", "--model qwen2.5-coder-1.5b --per-category 2 --windows 0,512,128 "
+           "--reps 3", "head_context_qwen2.5-coder-1.5b.md",
+           "the same for the Qwen2.5-Coder-1.5B head", "Qwen int4, shipped EAGLE-3 head, 8 long Spec-Bench prompts "
+           "(questions 3-4), 2 threads", needs=("qwen",), group="heads"),
     script("loss-ablation", "loss_ablation.py", "--data runs/smollm2-int4/regen.jsonl", "loss_ablation.md",
            "which EAGLE-3 training loss raises on-policy acceptance most for equal steps",
            "SmolLM2 int4 target, its own answers to ShareGPT prompts, warm start from the shipped head, "

@@ -46,9 +46,10 @@ from .eagle_head import Eagle3Head, EagleHead, HeadKind
 DEFAULT_DYNAMIC_TREE = DynamicTreeConfig(topk=8, depth=6)
 
 # A prompt's last pairs a head catches up on when a request starts (``head_context``). The shipped
-# SmolLM2 EAGLE-3 head drafted as well from its last 128 as from all of them (1.308 against 1.309
-# tokens per step of a fixed 3-chain on 16 long Spec-Bench prompts; 1.299 at 32), and a request's
-# first draft step after a 1024-token prompt took 7.7 ms against 62.5 (benchmarks/results/head_context.md).
+# EAGLE-3 heads drafted as well from their last 128 as from all of them (tokens per step of a fixed
+# 3-chain on long Spec-Bench prompts: SmolLM2 1.308 against 1.309, 1.299 at 32; Qwen2.5-Coder-1.5B
+# 1.307 against 1.304), and a request's first draft step after a 1024-token prompt took 7.7 ms
+# against 62.5 (SmolLM2) and 41.6 against 344.5 (Qwen): benchmarks/results/head_context_*.md.
 HEAD_CONTEXT = 128
 
 
