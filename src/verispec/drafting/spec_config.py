@@ -102,6 +102,13 @@ def _check_bool(config: SpeculativeConfig, key: str) -> None:
         raise SpecConfigError(f"speculative_config '{key}' must be true or false, got {v!r}")
 
 
+def _check_count(config: SpeculativeConfig, key: str) -> None:
+    """``key`` is None or an integer >= 0."""
+    v = getattr(config, key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        raise SpecConfigError(f"speculative_config '{key}' must be an integer >= 0, got {v!r}")
+
+
 def _check_keys(config_cls: type[SpeculativeConfig], args: dict) -> None:
     own = set(config_cls.keys())
     extra = sorted(set(args) - own)
@@ -132,9 +139,7 @@ class NgramConfig(SpeculativeConfig):
         _check_bool(self, "adaptive_drafting")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpecConfigError("prompt_lookup_min must be <= prompt_lookup_max")
-        extra = self.prompt_lookup_extra
-        if extra is not None and (not isinstance(extra, int) or isinstance(extra, bool) or extra < 0):
-            raise SpecConfigError(f"speculative_config 'prompt_lookup_extra' must be an integer >= 0, got {extra!r}")
+        _check_count(self, "prompt_lookup_extra")
 
 
 @dataclass(frozen=True)
@@ -189,9 +194,7 @@ class TreeHeadConfig(SpeculativeConfig):
     def check(self) -> None:
         super().check()
         _check_bool(self, "adaptive_drafting")
-        n = self.head_context
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise SpecConfigError(f"speculative_config 'head_context' must be an integer >= 0, got {n!r}")
+        _check_count(self, "head_context")
         dynamic = [k for k in ("topk", "depth", "num_draft_tokens") if getattr(self, k) is not None]
         if dynamic and self.tree is not None:
             raise SpecConfigError(f"give either a static 'tree' or dynamic-tree keys {dynamic}, not both")
