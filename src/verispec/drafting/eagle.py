@@ -90,9 +90,9 @@ class EagleDrafter:
             raise RuntimeError("EAGLE drafters need target features; the engine passed none")
         self.cache.reset(row)
         n = len(prompt_ids)
-        skip = n - self.context_window if self.context_window is not None and n > self.context_window else 0
-        self.pending[row] = [_tail(features, n - skip) if skip else features]
-        self.skipped[row] = skip
+        keep = n if self.context_window is None else min(n, self.context_window)
+        self.pending[row] = [features if keep == n else _tail(features, keep)]
+        self.skipped[row] = n - keep
         self.seen[row] = n
 
     def accept(self, row: int, committed_ids: list[int], features: TargetFeatures | None) -> None:
