@@ -23,22 +23,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 from verispec.bench import harness
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 PATHS = ("tree", "chain", "chain+compile")
-EAGLE_HEADS = {"eagle3": "smollm2-135m-eagle3", "eagle": "smollm2-135m-eagle"}
+EAGLE_HEADS = ("eagle3", "eagle")
 DEPTHS = (1, 2, 3, 4)
 
 
-def load_head(target, name: str):
+def load_head(target, name: str, model: str = "smollm2-135m"):
+    """``model``'s shipped head for method ``name`` (eagle3, eagle, medusa) with its draft
+    vocabulary cut, packed int4 as it runs beside the int4 target."""
     from verispec.drafting.draft_vocab import head_vocab
     from verispec.drafting.eagle_head import HeadKind
+    from verispec.drafting.shipped import shipped_head
     from verispec.formats import load_eagle_head, load_medusa_heads
-    path = str(ROOT / "checkpoints" / (EAGLE_HEADS.get(name) or "smollm2-135m-medusa"))
+    folder = shipped_head(model, name)
+    if folder is None:
+        raise SystemExit(f"no {name} head is shipped for {model}")
+    path = str(folder)
     if name == "medusa":
         head = load_medusa_heads(path, target.model)
     else:

@@ -23,9 +23,13 @@ head eagerly on any path).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 from verispec.bench import harness
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # draft_level_cost's head loader
 
 WINDOWS = (0, 512, 256, 128, 64, 32)          # 0: the whole prompt
 CATEGORIES = ("rag", "summarization", "extraction", "stem")
@@ -79,25 +83,10 @@ def first_step_ms(head, window: int, prompt: int, reps: int) -> float:
     return best * 1e3
 
 
-def load_head(target, model: str):
-    """The model's shipped EAGLE-3 head with its draft vocabulary cut, packed int4 (as it runs)."""
-    from verispec.drafting.draft_vocab import head_vocab
-    from verispec.drafting.eagle_head import HeadKind
-    from verispec.drafting.shipped import shipped_head
-    from verispec.formats import load_eagle_head
-    folder = shipped_head(model, "eagle3")
-    if folder is None:
-        raise SystemExit(f"no EAGLE-3 head is shipped for {model}")
-    head = load_eagle_head(str(folder), target.model, HeadKind.EAGLE3)
-    vocab = head_vocab(None, str(folder), head.cfg.vocab_size)
-    if vocab is not None:
-        head.restrict_vocab_(vocab.draft_ids)
-    return head.pack_("int4", target.model.lm_head)
-
-
 def costs(target, model: str, reps: int, windows: tuple[int, ...]) -> dict:
     """{prompt length: {window: ms}} of the first draft step."""
-    head = load_head(target, model)
+    from draft_level_cost import load_head
+    head = load_head(target, "eagle3", model)
     return {str(p): {str(w): first_step_ms(head, w, p, reps) for w in windows} for p in PROMPT_LENGTHS}
 
 
