@@ -12,7 +12,9 @@
 // Arithmetic, per output channel c and group g (q the codes, s and z the group's scale and zero
 // point, the dequantised weight being (q - 8) * s + z, x the bf16-rounded inputs):
 //     y[c] += s * (sum_j x_j * q_j) + (z - 8 s) * (sum_j x_j)
-// with the inner sums in a fixed order (column pairs of the group in order) and the groups in
+// with the inner sums in a fixed order (on AVX-512: column pairs 0 and 2 of each 8-column chunk
+// into one partial sum, pairs 1 and 3 into another, chunks in order, then the two added; two
+// dependency chains instead of one made a pass of 1-4 rows 10-35% faster) and the groups in
 // order. Every row runs the same instructions whatever the other rows, the pass size or the
 // thread count (threads split output channels), so a row's result is bit-identical in a decode, a
 // verify and a batch. The AVX2 path (CPUs without AVX-512 BF16) computes the same sums with fp32
@@ -223,8 +225,8 @@ void block_bf16(const Args& a, int64_t nb, int64_t i0) {
   const uint8_t* wb = a.w + nb * a.groups * kGroupBytes;
   const int64_t half_k = a.k / 2;
   for (int64_t g = 0; g < a.groups; ++g) {
-    __m512 part[R];
-    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    __m512 part[R], part2[R];                                   // pairs 0, 2 / 1, 3 of each chunk
+    for (int r = 0; r < R; ++r) part[r] = part2[r] = _mm512_setzero_ps();
     const uint8_t* wg = wb + g * kGroupBytes;
     const uint32_t* xg = a.x2 + i0 * half_k + g * (kGroup / 2);
 #pragma GCC unroll 4
@@ -236,7 +238,8 @@ void block_bf16(const Args& a, int64_t nb, int64_t i0) {
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m512i xp = _mm512_set1_epi32(static_cast<int>(xg[r * half_k + c * 4 + i]));
-          part[r] = _mm512_dpbf16_ps(part[r], (__m512bh)w, (__m512bh)xp);
+          if (i & 1) part2[r] = _mm512_dpbf16_ps(part2[r], (__m512bh)w, (__m512bh)xp);
+          else part[r] = _mm512_dpbf16_ps(part[r], (__m512bh)w, (__m512bh)xp);
         }
       }
     }
@@ -244,7 +247,7 @@ void block_bf16(const Args& a, int64_t nb, int64_t i0) {
     const __m512 s = scales_512(wg + kCodeBytes, &zz);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(part[r], s, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(part[r], part2[r]), s, acc[r]);
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.xsum[(i0 + r) * a.groups + g]), zz, acc[r]);
     }
   }
