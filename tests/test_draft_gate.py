@@ -12,7 +12,8 @@ from helpers import assert_same_or_tie
 
 from verispec import LLM, SamplingParams
 from verispec.drafting.draft_gate import DraftGate, GateConfig, GateOption, Mode
-from verispec.drafting.draft_shape import AcceptanceProfile, StepCosts, gate_options, modelled_shape, tree_cost
+from verispec.drafting.draft_shape import (AcceptanceProfile, ShapedFactory, StepCosts, gate_options,
+                                          modelled_shape, tree_cost)
 from verispec.drafting.spec_config import SpecConfigError, SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -153,6 +154,25 @@ def test_finished_requests_teach_the_ratios_of_those_not_yet_timed():
     assert gate.cost_ratio(3, 9) == pytest.approx(1.6) and gate.cost_ratio(1, 9) == 1.2   # never timed: model
     assert gate.cost_ratio(3, 9, timed=False) == 1.45
     assert DraftGate(OPTIONS, GateConfig(learned=0)).cost_ratio(3, 9) == 1.45
+
+
+def test_the_gates_of_one_factory_learn_ratios_together(measured_costs):
+    """``LLM.generate`` makes an engine, and so a gate, per call: the gates a drafter factory
+    makes share the ratios finished requests measured, so a request of a later call starts from
+    them instead of the load-time model (timed steps: costs not pinned)."""
+    factory = ShapedFactory(lambda max_batch, max_len: None, None, OPTIONS,
+                            StepCosts(((1, 10.0), (2, 11.0), (4, 12.0)), 1.0))
+    config = GateConfig()
+    for seq, ratio in ((1, 1.5), (2, 1.7), (3, 1.6)):
+        gate = factory.make_gate(3)                       # one engine per request
+        gate.budget(seq)
+        for _ in range(config.min_timed):
+            gate.observe_step([seq], [3], 0.010 * ratio)
+            gate.observe_step([seq], [0], 0.010)
+        gate.release(seq)
+    later = factory.make_gate(3)
+    assert later.learned is gate.learned and later.cost_ratio(3, 9) == pytest.approx(1.6)
+    assert DraftGate(OPTIONS).cost_ratio(3, 9) == 1.45   # a gate of its own starts from the model
 
 
 def test_drafting_must_beat_plain_decoding_by_the_margin():

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import enum
 import statistics
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
@@ -179,14 +180,39 @@ class GateStats:
                 "probes": self.probes, "budgets": dict(sorted(self.budgets.items()))}
 
 
+class LearnedRatios:
+    """The batch-1 cost ratios that finished requests measured, per budget (the last ``keep`` of
+    each; their median once there are 3): what a timed request not yet timed itself starts from
+    (``GateConfig.learned``). One object serves every gate of a drafter factory, because
+    ``LLM.generate`` makes a new engine, and so a new gate, for each call: kept per gate, a
+    benchmark that asks one question per call never used them, and every request started from
+    the load-time model (SmolLM2 EAGLE-3, int4 + compile: 1.13 for one node, against 1.2-1.3
+    measured), drafting some 15 rejected steps before its own timings stopped it. Thread-safe
+    (``LLM`` may be called from several threads)."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.ratio: dict[int, float] = {}             # budget -> median (replaced whole: readers take no lock)
+        self._seen: dict[int, deque] = {}
+        self._lock = threading.Lock()
+
+    def add(self, nodes: int, ratio: float) -> None:
+        with self._lock:
+            seen = self._seen.setdefault(nodes, deque(maxlen=self.keep))
+            seen.append(ratio)
+            if len(seen) >= 3:
+                self.ratio = {**self.ratio, nodes: statistics.median(seen)}
+
+
 class DraftGate:
     """Per-request draft budgets (see the module docstring). ``options``: the nested prefixes of
     the tree, by increasing ``nodes``; the last is the whole tree."""
 
     def __init__(self, options: Sequence[GateOption], config: GateConfig = GateConfig(),
-                 costs: BatchCosts | None = None):
+                 costs: BatchCosts | None = None, learned: LearnedRatios | None = None):
         """``costs``: step costs by batch size (``batch_cost.BatchCosts``); None: at batch > 1
-        the batch-1 modelled ratios (an engine that serves one request at a time)."""
+        the batch-1 modelled ratios (an engine that serves one request at a time). ``learned``:
+        finished requests' measured ratios, shared with other gates (default: this gate's own)."""
         options = tuple(options)
         if not options:
             raise ValueError("a gate needs at least one option")
@@ -198,8 +224,7 @@ class DraftGate:
         self.options, self.config, self.costs = options, config, costs
         self._by_nodes = {o.nodes: o for o in options}
         self._seqs: dict[int, _SeqState] = {}
-        self._learned: dict[int, deque] = {}          # budget -> measured ratios of finished requests
-        self._learned_ratio: dict[int, float] = {}    # budget -> their median (3 or more)
+        self.learned = learned if learned is not None else LearnedRatios(config.learned)
         self.stats = GateStats()
 
     # -- costs -------------------------------------------------------------------------------------
@@ -215,7 +240,7 @@ class DraftGate:
             if self.costs is None:
                 return lambda nodes: self._by_nodes[nodes].cost_ratio
             return lambda nodes: self.costs.ratio(batch_size, nodes, timed)
-        measured, learned = self._measured(seq_id), (self._learned_ratio if timed else {})
+        measured, learned = self._measured(seq_id), (self.learned.ratio if timed else {})
 
         def ratio(nodes: int) -> float:
             r = measured(nodes)
@@ -508,10 +533,7 @@ class DraftGate:
         for o in self.options if measured is not None else ():
             r = measured(o.nodes)
             if r is not None:
-                seen = self._learned.setdefault(o.nodes, deque(maxlen=self.config.learned))
-                seen.append(r)
-                if len(seen) >= 3:
-                    self._learned_ratio[o.nodes] = statistics.median(seen)
+                self.learned.add(o.nodes, r)
 
     def mode(self, seq_id: int) -> Mode | None:
         """The request's current mode (None: unknown request)."""

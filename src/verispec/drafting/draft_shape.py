@@ -147,6 +147,7 @@ class ShapedFactory:
         self.costs = costs            # the measured step costs the shape was chosen from (None: none measured)
         self.generic = generic        # a drafter without a profile: gated with ``generic_options``
         self.takes_kv = "kv" in inspect.signature(make).parameters
+        self._learned = None          # finished requests' measured cost ratios, shared by the gates made here
 
     def __call__(self, max_batch: int, max_len: int, kv=None):
         """One engine's drafter; ``kv``: the engine's paged pool (``core.kv_budget.PagedKV``) or None."""
@@ -154,9 +155,10 @@ class ShapedFactory:
 
     def make_gate(self, max_nodes: int = 0):
         """A new gate for one engine whose drafter drafts at most ``max_nodes`` nodes, with the
-        batch-size costs of ``costs`` (``batch_cost``), or None (adaptive drafting off)."""
+        batch-size costs of ``costs`` (``batch_cost``), or None (adaptive drafting off). Every
+        gate made here shares one ``LearnedRatios``: an ``LLM`` makes an engine per call."""
         from .batch_cost import BatchCosts
-        from .draft_gate import DraftGate, GateConfig
+        from .draft_gate import DraftGate, GateConfig, LearnedRatios
         times = pinned_costs() is None             # pinned costs: decisions from the model alone
         options, config = self.gate_options, GateConfig(use_step_times=times)
         if not options and self.generic and self.costs is not None and max_nodes > 0:
@@ -167,7 +169,9 @@ class ShapedFactory:
         if not options:
             return None
         costs = None if self.costs is None else BatchCosts(self.costs.verify, {o.nodes: o.draft_ms for o in options})
-        return DraftGate(options, config, costs=costs)
+        if self._learned is None:
+            self._learned = LearnedRatios(config.learned)
+        return DraftGate(options, config, costs=costs, learned=self._learned)
 
 
 @dataclass(frozen=True)
