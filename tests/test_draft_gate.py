@@ -100,27 +100,6 @@ def test_a_trial_that_pays_resumes_drafting():
     assert gate.mode(3) is None
 
 
-def test_a_trial_is_judged_beside_what_the_request_did_before_it():
-    """One lucky hit in a trial of a request rejected until then (its first drafted steps and two
-    trials) does not bring back drafting: its calibration before the trial is the trial's prior.
-    Two hits in four, about what the profile expects, do. Judged alone, the one-hit trial
-    resumed drafting."""
-    c = GateConfig()
-    for hits, resumes in (((1, 0, 0, 0), False), ((1, 1, 0, 0), True)):
-        gate = DraftGate(OPTIONS, c)
-        while gate.stats.trials < 2 or gate.mode(3) is not Mode.WAIT:   # rejected, then two failed trials
-            simulate(gate, 3, 0.0, 1)
-        budget = 0
-        while budget == 0:                            # the wait, then the trial's first step
-            budget = gate.budget(3)
-        for i, a in enumerate(hits):
-            assert gate.mode(3) is Mode.TRIAL
-            gate.observe(3, budget if i == 0 else gate.budget(3), a)
-        assert gate.mode(3) is (Mode.DRAFT if resumes else Mode.WAIT), hits
-        alone = gate._trial_calibration([(a, 1) for a in hits], 1.0)    # no history: the profile's prior
-        assert gate.best(alone, 3) > 0
-
-
 def test_cost_ratios_come_from_the_requests_timed_batch_one_steps():
     gate = DraftGate(OPTIONS, GateConfig(min_timed=3))
     gate.budget(5)

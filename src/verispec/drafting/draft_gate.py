@@ -27,9 +27,8 @@ not its second drafts one node, not the whole tree. Options without per-depth pr
 n0 E)``. Each step it drafts the budget ``m`` with the best
 ``(1 + E_m(c)) / R_m``. When that is ``m = 0`` (plain decoding beats every prefix) the request
 stops drafting for ``min_wait`` steps, then drafts a trial of ``trial`` steps (the budget its
-history favours, at least the first node): if the trial's ``c`` (its own steps, with the
-request's calibration before the trial as their prior) makes some prefix pay, it drafts again
-with the trial as its window, otherwise it waits twice as long (at most
+history favours, at least the first node): if the trial's own ``c`` makes some prefix pay, it
+drafts again with the trial as its window, otherwise it waits twice as long (at most
 ``max_wait``) before the next trial. A trial whose first half accepts nothing ends there, as a
 failed one: on a long context a drafted step costs some 40% more than a plain one, so a
 hopeless request's trials were most of what it lost. Acceptance changes within an answer (a
@@ -297,22 +296,19 @@ class DraftGate:
             return self.scale(seq_id) if steps is None else self._scale_of(steps)
         return self.depth_factors(seq_id, steps)
 
-    def depth_factors(self, seq_id: int, steps=None, prior_steps: float | None = None,
-                      prior: "Sequence[float] | None" = None) -> tuple[float, ...]:
+    def depth_factors(self, seq_id: int, steps=None, prior_steps: float | None = None) -> tuple[float, ...]:
         """Per depth d: (tokens accepted at depth d + n0 h_d f_{d-1}) / (modelled hits at depth d
         + n0 h_d) over the request's latest drafted steps (or ``steps``: (accepted, budget)
         pairs) that reached depth d (every earlier depth accepted), h_d the whole tree's modelled
         hit probability there, n0 = ``prior_steps`` (default: the config's) and f_{d-1} the factor
         of the depth above (f_0 = 1): 1 without steps, lower where the request's drafts are
         rejected earlier than modelled, and a depth the request's budgets never reached follows
-        the depths above it (a request accepted far better than modelled is tried deeper).
-        ``prior``: factors the prior's hits are scaled by instead (depth d's n0 h_d prior[d]; a
-        trial's: the request's calibration before it)."""
+        the depths above it (a request accepted far better than modelled is tried deeper)."""
         if steps is None:
             st = self._seqs.get(seq_id)
             steps = st.steps if st is not None else ()
-        profile = self.options[-1].hit_by_depth
-        hits, expected = [0.0] * len(profile), [0.0] * len(profile)
+        prior = self.options[-1].hit_by_depth
+        hits, expected = [0.0] * len(prior), [0.0] * len(prior)
         for accepted, nodes in steps:
             for d, h in enumerate(self._by_nodes[nodes].hit_by_depth):
                 if accepted < d:                       # depth d+1 (0-based d) never reached
@@ -321,9 +317,8 @@ class DraftGate:
                 hits[d] += accepted > d
         n0 = self.config.prior_steps if prior_steps is None else prior_steps
         factors, inherit = [], 1.0
-        for d, h in enumerate(profile):         # a depth's prior: the calibration of the one above it
-            base = prior[d] if prior is not None and d < len(prior) else inherit
-            f = (hits[d] + n0 * h * base) / (expected[d] + n0 * h) if expected[d] + n0 * h > 0 else base
+        for d, h in enumerate(prior):           # a depth's prior: the calibration of the one above it
+            f = (hits[d] + n0 * h * inherit) / (expected[d] + n0 * h) if expected[d] + n0 * h > 0 else inherit
             factors.append(f)
             inherit = f
         return tuple(factors)
@@ -483,26 +478,20 @@ class DraftGate:
         hopeless = n >= max(1, self.config.trial // 2) and not any(a for a, _ in st.trial_steps)
         if n < self.config.trial and not hopeless:
             return
-        if not hopeless and self.best(self._trial_calibration(st.trial_steps, self.calibration(seq_id)), seq_id) > 0:
+        if not hopeless and self.best(self._trial_calibration(st.trial_steps), seq_id) > 0:
             st.mode = Mode.DRAFT                      # the trial's steps start a new window
             st.steps = deque(st.trial_steps, maxlen=self.config.window)
         else:
             st.steps.extend(st.trial_steps)
             self._wait(st, min(2 * st.wait, self.config.max_wait))
 
-    def _trial_calibration(self, steps, before: "float | tuple[float, ...]") -> "float | tuple[float, ...]":
-        """A trial's calibration: its own steps, with ``before`` (the request's calibration from
-        its steps before the trial) as their prior, weighted as ``prior_steps`` steps. Four steps
-        alone are a small sample: one lucky hit in a trial of a request that had been rejected
-        for 15 steps (Spec-Bench translation, shipped EAGLE-3 head) put it back to drafting, for 8
-        more rejected steps. A request whose acceptance really changed still resumes after one
-        trial (two hits in four, where the profile expects about two)."""
+    def _trial_calibration(self, steps) -> "float | tuple[float, ...]":
+        """A trial's own calibration, without the prior: what its steps alone say."""
         if self.by_depth:
-            return self.depth_factors(-1, steps, prior=before)
-        modelled_of = [self._by_nodes[b].expected_accepted for _, b in steps]
-        n0 = self.config.prior_steps * (sum(modelled_of) / len(modelled_of) if modelled_of else 0.0)
-        modelled = sum(modelled_of) + n0
-        return (sum(a for a, _ in steps) + n0 * before) / modelled if modelled > 0 else before
+            return self.depth_factors(-1, steps, prior_steps=0.0)
+        got = sum(a for a, _ in steps)
+        modelled = sum(self._by_nodes[b].expected_accepted for _, b in steps)
+        return got / modelled if modelled > 0 else 1.0
 
     @staticmethod
     def _wait(st: _SeqState, steps: int) -> None:
