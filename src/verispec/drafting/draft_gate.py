@@ -50,8 +50,9 @@ context: an engine serves short and long prompts one after another, and a reques
 drafting is often a long one (summaries, retrieval), whose plain steps would make every
 drafted step of a short one look cheap.
 
-Until a request is timed itself, its ratios are the median of those that the engine's finished
-requests measured (``GateConfig.learned``), when at least three did: the load-time model comes from
+Until a request is timed itself, its ratios are the median of those that finished requests
+measured (``GateConfig.learned``), when at least three did, over every engine of the ``LLM``
+(``LearnedRatios``, one per drafter factory): the load-time model comes from
 the fastest of a few isolated forwards, so it runs low beside whole engine steps. Every budget's
 tokens per time must beat a plain step's by ``GateConfig.margin`` (3%): near break-even the
 estimate's noise decides, and a plain step is the choice that is never slower. For each step the
