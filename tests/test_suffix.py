@@ -46,7 +46,7 @@ def test_config_defaults_are_vllms():
     assert SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 6}).max_nodes == 6
     assert SuffixConfig.keys() == ["method", "num_speculative_tokens", "suffix_decoding_max_tree_depth",
                                    "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
-                                   "suffix_decoding_min_token_prob", "adaptive_drafting"]
+                                   "suffix_decoding_min_token_prob", "suffix_decoding_corpus", "adaptive_drafting"]
     off = SpeculativeConfig.from_dict('{"method": "suffix", "suffix_decoding_max_cached_requests": 0}')
     assert off.suffix_decoding_max_cached_requests == 0 and off.as_dict()["method"] == "suffix"
 

@@ -1,4 +1,5 @@
-"""``verispec data``: regenerate answers with the target; cache target features offline."""
+"""``verispec data``: regenerate answers with the target; cache target features offline; draft
+vocabularies and suffix corpora from the regenerated answers."""
 from __future__ import annotations
 
 import argparse
@@ -88,6 +89,30 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_suffix_corpus(args: argparse.Namespace) -> int:
+    """Tokenize the assistant turns of ``--data`` (the target's own answers, from ``data
+    regenerate``) with the target's tokenizer and write a suffix corpus (``drafting.suffix_corpus``)."""
+    import shlex
+
+    from ..drafting.suffix_corpus import answer_spans, save_corpus
+    from ..models.loading import load_tokenizer, read_config
+    from ..models.sources import resolve_model
+    from ..train.common import load_many
+    from ..train.data import tokenize_all
+    src = resolve_model(args.model)
+    tok = load_tokenizer(src.path, src.format)
+    vocab_size = read_config(src.path, src.format).vocab_size
+    convs, report = load_many(args.data, args.limit)
+    answers = [a for ex in tokenize_all(tok, convs, args.max_length) for a in answer_spans(ex.input_ids, ex.loss_mask)]
+    if not answers:
+        print(f"no assistant tokens in {report}", file=sys.stderr)
+        return 2
+    info = {"data": report, "command": "verispec " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+    summary = save_corpus(answers, args.out, model=src.name, vocab_size=vocab_size, info=info)
+    print(json.dumps(dict(summary, out=str(args.out))))
+    return 0
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("data", help="training data: regenerate answers with the target, cache features")
     dsub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
@@ -135,6 +160,17 @@ def add_parser(sub) -> None:
     v.add_argument("--split-seed", type=int, default=0)
     v.add_argument("--out", required=True, help="safetensors file to write")
     v.set_defaults(func=cmd_draft_vocab)
+    c = dsub.add_parser("suffix-corpus", help="the target's own answers as a suffix-decoding corpus",
+                        description="Tokenize the assistant turns of --data (answers the target wrote itself: "
+                                    "`verispec data regenerate`) and write corpus.safetensors, which "
+                                    "speculative_config {\"method\": \"suffix\", \"suffix_decoding_corpus\": PATH} "
+                                    "loads into the global suffix tree at start.")
+    c.add_argument("--model", required=True, help="target model (its tokenizer)")
+    c.add_argument("--data", required=True, nargs="+", help="regenerated JSONL / ShareGPT JSON files")
+    c.add_argument("--limit", type=int, help="first N conversations per file")
+    c.add_argument("--max-length", type=int, default=2048, help="tokens per conversation kept")
+    c.add_argument("--out", required=True, help="folder (gets corpus.safetensors) or .safetensors file")
+    c.set_defaults(func=cmd_suffix_corpus)
     try:
         from .data_features import add_features_parser
         add_features_parser(dsub)

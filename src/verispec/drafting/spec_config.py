@@ -258,6 +258,8 @@ class SuffixConfig(SpeculativeConfig):
     suffix_decoding_max_cached_requests: int = 10000 # outputs kept in the global tree (FIFO); 0 = off
     suffix_decoding_max_spec_factor: float = 1.0     # nodes <= this x the matched suffix length
     suffix_decoding_min_token_prob: float = 0.1      # keep nodes whose estimated path probability >= this
+    suffix_decoding_corpus: str | None = "auto"      # answers preloaded into the global tree: "auto" = the
+                                                     # model's shipped corpus if any, None = none, else a path
     adaptive_drafting: bool | None = None    # the draft-budget estimator (draft_gate) gives each request
                                              # and step its budget, down to none (default: on)
 
@@ -274,6 +276,10 @@ class SuffixConfig(SpeculativeConfig):
         p = self.suffix_decoding_min_token_prob
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
             raise SpecConfigError(f"speculative_config 'suffix_decoding_min_token_prob' must be a number in [0, 1], got {p!r}")
+        c = self.suffix_decoding_corpus
+        if c is not None and (not isinstance(c, str) or not c):
+            raise SpecConfigError("speculative_config 'suffix_decoding_corpus' must be \"auto\", null or a corpus "
+                                  f"path (`verispec data suffix-corpus` writes one), got {c!r}")
 
     @property
     def max_nodes(self) -> int:
@@ -294,6 +300,7 @@ class HybridConfig(SpeculativeConfig):
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_corpus: str | None = "auto"
 
     def check(self) -> None:
         super().check()
@@ -306,7 +313,8 @@ class HybridConfig(SpeculativeConfig):
                            suffix_decoding_max_tree_depth=self.suffix_decoding_max_tree_depth,
                            suffix_decoding_max_cached_requests=self.suffix_decoding_max_cached_requests,
                            suffix_decoding_max_spec_factor=self.suffix_decoding_max_spec_factor,
-                           suffix_decoding_min_token_prob=self.suffix_decoding_min_token_prob)
+                           suffix_decoding_min_token_prob=self.suffix_decoding_min_token_prob,
+                           suffix_decoding_corpus=self.suffix_decoding_corpus)
         cfg.check()
         return cfg
 

@@ -22,6 +22,8 @@ counting the windows that pass through it (so D bounds match length + speculatio
   evicted whole (FIFO); 0 turns it off. The builder makes one ``SuffixCache`` per
   ``speculative_config`` it builds, i.e. one per ``LLM`` and so one per server, and every engine the
   factory makes shares it: a later ``generate`` call drafts from the outputs of earlier ones.
+  ``suffix_decoding_corpus`` preloads it with answers the target wrote earlier (``suffix_corpus``;
+  by default the model's shipped corpus, when there is one).
 
 A proposal, in each tree: for every length L (1 <= L < min(len(context), D)) of the context's
 suffix that occurs in the tree, a tree grown best-first from the matched node: a child's estimated
@@ -102,6 +104,18 @@ class SuffixCache:
             rid = next(self._ids)
             self._native.start_request(rid, list(prompt_ids))
             return rid
+
+    def preload(self, answers: Sequence[Sequence[int]]) -> int:
+        """Put ``answers`` into the global tree as outputs of finished requests (a suffix corpus:
+        ``suffix_corpus``); the last ``max_cached_requests`` of them are kept. Returns how many."""
+        keep = list(answers)[-self.max_cached_requests:] if self.max_cached_requests else []
+        with self._lock:
+            for ids in keep:
+                rid = next(self._ids)
+                self._native.start_request(rid, [])
+                self._native.add_active_response(rid, list(ids))
+                self._native.stop_request(rid)
+        return len(keep)
 
     def extend(self, rid: int, tokens: Sequence[int]) -> None:
         """Append output tokens of request ``rid`` to its own tree and to its global output."""
@@ -206,9 +220,12 @@ class SuffixDrafter:
         return st
 
 
-def build_suffix_factory(config: SuffixConfig, device: str | torch.device = "cpu"):
-    """One ``SuffixCache`` for ``config`` (the global tree of every engine made by the factory);
-    drafters hand their trees over on ``device``."""
+def build_suffix_factory(config: SuffixConfig, device: str | torch.device = "cpu",
+                         corpus: Sequence[Sequence[int]] | None = None):
+    """One ``SuffixCache`` for ``config`` (the global tree of every engine made by the factory),
+    ``corpus`` answers preloaded into it; drafters hand their trees over on ``device``."""
     cache = SuffixCache(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests)
+    if corpus:
+        cache.preload(corpus)
     return lambda max_batch, max_len: SuffixDrafter(cache, config.max_nodes, config.suffix_decoding_max_spec_factor,
                                                     config.suffix_decoding_min_token_prob, device)
