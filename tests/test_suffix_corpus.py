@@ -66,8 +66,8 @@ def test_bad_corpus_files_are_clear_errors(tmp_path):
 
 @pytest.mark.parametrize("value", ["", 3, ["a"], True])
 def test_config_key_takes_auto_null_or_a_path(value):
-    assert SpeculativeConfig.from_dict({"method": "suffix"}).suffix_decoding_corpus == "auto"
-    assert SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_corpus": None}).suffix_decoding_corpus is None
+    assert SpeculativeConfig.from_dict({"method": "suffix"}).suffix_decoding_corpus is None      # off by default
+    assert SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_corpus": "auto"}).suffix_decoding_corpus == "auto"
     hyb = SpeculativeConfig.from_dict({"method": "hybrid", "suffix_decoding_corpus": "/x"})
     assert hyb.suffix_config().suffix_decoding_corpus == "/x"
     for method in ("suffix", "hybrid"):
@@ -90,6 +90,35 @@ def test_auto_finds_the_shipped_corpus_of_the_model(tmp_path, monkeypatch):
     Target.config.vocab_size = 2
     with pytest.raises(SpecConfigError, match="target has 2"):
         resolve_corpus("auto", Target)
+
+
+def test_cli_writes_the_assistant_turns_of_regenerated_conversations(tmp_path, capsys):
+    """``verispec data suffix-corpus``: each assistant turn of the JSONL, chat-templated and
+    tokenized with the target's tokenizer, is one answer; an input without any is exit code 2."""
+    import json
+
+    from verispec.cli import main
+    from verispec.models.loading import load_tokenizer
+    from verispec.models.sources import resolve_model
+    conv = lambda i, *turns: {"id": f"c{i}", "conversations": [  # noqa: E731
+        {"role": r, "content": t} for r, t in zip(["user", "assistant"] * 2, turns)]}
+    data = tmp_path / "regen.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in (
+        conv(0, "Name a colour.", "Blue is a colour."),
+        conv(1, "Count to three.", "One, two, three.", "And back?", "Three, two, one."),
+        {"id": "c2", "skipped": "prompt over 384 tokens"})) + "\n")
+    assert main(["data", "suffix-corpus", "--model", "smollm2-135m", "--data", str(data),
+                 "--out", str(tmp_path / "c")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    src = resolve_model("smollm2-135m")
+    tok = load_tokenizer(src.path, src.format)
+    answers = load_corpus(tmp_path / "c", 49152)
+    assert summary["answers"] == len(answers) == 3 and summary["model"] == "smollm2-135m"
+    for got, text in zip(answers, ["Blue is a colour.", "One, two, three.", "Three, two, one."]):
+        assert tok.decode(got).startswith(text)
+    (tmp_path / "none.jsonl").write_text(json.dumps({"id": "x", "skipped": "prompt over 384 tokens"}) + "\n")
+    assert main(["data", "suffix-corpus", "--model", "smollm2-135m", "--data", str(tmp_path / "none.jsonl"),
+                 "--out", str(tmp_path / "d")]) == 2
 
 
 # ----------------------------------------------------------------------------- 2. the tree

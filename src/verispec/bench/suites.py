@@ -34,6 +34,9 @@ METHOD_CONFIGS: dict[str, dict] = {
                    "draft_vocab": "qwen2.5-coder-draft-vocab-64k/draft_vocab.safetensors"},
     "draft-v64k-k3": {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 3,
                       "draft_vocab": "qwen2.5-coder-draft-vocab-64k/draft_vocab.safetensors"},
+    # suffix decoding with the shipped corpus of the target's own answers (off by default)
+    "suffix-corpus": {"method": "suffix", "suffix_decoding_corpus": "auto"},
+    "hybrid-corpus": {"method": "hybrid", "suffix_decoding_corpus": "auto"},
 }
 REGEN = "runs/smollm2-sharegpt-regen.jsonl"      # the Makefile's `regen` output
 
@@ -95,6 +98,10 @@ SUITES: tuple[Suite, ...] = (
                "spec_bench/heads_int4_smollm2",
                "the learned heads, suffix and hybrid on SmolLM2's fast path (int4 + compile), modelled vs measured",
                needs=()),
+    spec_bench("specbench-smollm2-suffix-corpus", SMOL, "int4", ("vanilla", "suffix", "suffix-corpus",
+                                                                 "hybrid", "hybrid-corpus"), 4,
+               "spec_bench/suffix_corpus_smollm2",
+               "suffix and hybrid with and without the shipped corpus of SmolLM2's own answers", needs=()),
     spec_bench("specbench-smollm2-int8", SMOL, "int8", ("vanilla", "ngram-x1", "eagle3", "llamacpp"), 2,
                "spec_bench/exact_int8_smollm2", "Spec-Bench by method on SmolLM2 int8, against llama.cpp"),
     spec_bench("specbench-smollm2-int4-a8", SMOL, "int4-a8", ("vanilla", "ngram-x1", "llamacpp"), 2,

@@ -258,8 +258,8 @@ class SuffixConfig(SpeculativeConfig):
     suffix_decoding_max_cached_requests: int = 10000 # outputs kept in the global tree (FIFO); 0 = off
     suffix_decoding_max_spec_factor: float = 1.0     # nodes <= this x the matched suffix length
     suffix_decoding_min_token_prob: float = 0.1      # keep nodes whose estimated path probability >= this
-    suffix_decoding_corpus: str | None = "auto"      # answers preloaded into the global tree: "auto" = the
-                                                     # model's shipped corpus if any, None = none, else a path
+    suffix_decoding_corpus: str | None = None        # answers preloaded into the global tree: None = none,
+                                                     # "auto" = the model's shipped corpus if any, else a path
     adaptive_drafting: bool | None = None    # the draft-budget estimator (draft_gate) gives each request
                                              # and step its budget, down to none (default: on)
 
@@ -300,7 +300,7 @@ class HybridConfig(SpeculativeConfig):
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
-    suffix_decoding_corpus: str | None = "auto"
+    suffix_decoding_corpus: str | None = None
 
     def check(self) -> None:
         super().check()

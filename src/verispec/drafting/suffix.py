@@ -23,7 +23,7 @@ counting the windows that pass through it (so D bounds match length + speculatio
   ``speculative_config`` it builds, i.e. one per ``LLM`` and so one per server, and every engine the
   factory makes shares it: a later ``generate`` call drafts from the outputs of earlier ones.
   ``suffix_decoding_corpus`` preloads it with answers the target wrote earlier (``suffix_corpus``;
-  by default the model's shipped corpus, when there is one).
+  off by default).
 
 A proposal, in each tree: for every length L (1 <= L < min(len(context), D)) of the context's
 suffix that occurs in the tree, a tree grown best-first from the matched node: a child's estimated
