@@ -19,7 +19,7 @@ setting ``"auto"``. Use only answers to prompts outside every evaluation set.
 
 **Off by default**, because on this project's CPU fast path it barely pays: SmolLM2-135M's corpus
 (2,608 answers) raises suffix decoding's tokens per step by 9% on Spec-Bench but its speed by
-about 1%. The draft gate drafts more steps (81% against 59%), and the extra ones are marginal:
+1-2%. The draft gate drafts more steps (81% against 59%), and the extra ones are marginal:
 a verify over one more token costs about 10% of an int4 step, about what the weak matches they
 draft earn (``benchmarks/results/spec_bench/suffix_corpus_smollm2``). Where a wider verify is
 cheap (a GPU, fp16 weights) or traffic repeats itself (agent loops), the same tokens per step
