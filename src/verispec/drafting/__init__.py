@@ -88,8 +88,7 @@ def _suffix(config: SuffixConfig, target) -> DrafterFactory:
     """SuffixDecoding: the global tree is made here, once per LLM / server, and shared by every
     engine the factory makes (a later generate call drafts from earlier outputs)."""
     from .suffix import build_suffix_factory
-    from .suffix_corpus import resolve_corpus
-    return build_suffix_factory(config, target_device(target), resolve_corpus(config.suffix_decoding_corpus, target))
+    return build_suffix_factory(config, target_device(target), target)
 
 
 @register("draft_model", config=DraftModelConfig)

@@ -165,9 +165,7 @@ def build_hybrid_factory(config, target, device, forward=None):
     from .eagle_head import HeadKind
     from .spec_config import SpecConfigError
     from .suffix import build_suffix_factory
-    from .suffix_corpus import resolve_corpus
-    suffix = config.suffix_config()
-    suffix_factory = build_suffix_factory(suffix, device, resolve_corpus(suffix.suffix_decoding_corpus, target))
+    suffix_factory = build_suffix_factory(config.suffix_config(), device, target)
     head_factory = build_eagle_factory(config.head_config(), target, HeadKind.EAGLE3, forward=forward)
     if head_factory.shape is None or head_factory.costs is None:
         raise SpecConfigError("method 'hybrid' chooses between sources from the head's measured acceptance "

@@ -31,13 +31,18 @@ def in_checkpoints(path: str | Path) -> Path:
     return next((root / p for root in checkpoint_roots() if (root / p).exists()), p)
 
 
-def shipped_head(model_name: str, method: str) -> Path | None:
-    """The shipped head folder for ``model_name`` and ``method`` (``eagle3``, ``medusa``, ...)."""
-    name = f"{model_stem(model_name)}-{method}"
+def shipped_folder(model_name: str, kind: str, marker: str) -> Path | None:
+    """``<root>/<model>-<kind>`` under the first checkpoint root where it holds the file ``marker``."""
+    name = f"{model_stem(model_name)}-{kind}"
     for root in checkpoint_roots():
-        if (root / name / "config.json").exists():
+        if (root / name / marker).exists():
             return root / name
     return None
+
+
+def shipped_head(model_name: str, method: str) -> Path | None:
+    """The shipped head folder for ``model_name`` and ``method`` (``eagle3``, ``medusa``, ...)."""
+    return shipped_folder(model_name, method, "config.json")
 
 
 def with_shipped_head(config, target):

@@ -220,11 +220,13 @@ class SuffixDrafter:
         return st
 
 
-def build_suffix_factory(config: SuffixConfig, device: str | torch.device = "cpu",
-                         corpus: Sequence[Sequence[int]] | None = None):
+def build_suffix_factory(config: SuffixConfig, device: str | torch.device = "cpu", target=None):
     """One ``SuffixCache`` for ``config`` (the global tree of every engine made by the factory),
-    ``corpus`` answers preloaded into it; drafters hand their trees over on ``device``."""
+    with the config's ``suffix_decoding_corpus`` for ``target`` preloaded into it
+    (``suffix_corpus.resolve_corpus``); drafters hand their trees over on ``device``."""
+    from .suffix_corpus import resolve_corpus
     cache = SuffixCache(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests)
+    corpus = resolve_corpus(config.suffix_decoding_corpus, target)
     if corpus:
         cache.preload(corpus)
     return lambda max_batch, max_len: SuffixDrafter(cache, config.max_nodes, config.suffix_decoding_max_spec_factor,

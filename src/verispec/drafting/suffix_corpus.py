@@ -38,7 +38,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .shipped import checkpoint_roots, model_stem
+from .shipped import shipped_folder
 from .spec_config import SpecConfigError
 
 CORPUS_FILE = "corpus.safetensors"
@@ -53,11 +53,8 @@ def corpus_file(path: str | Path) -> Path:
 
 def shipped_corpus(model_name: str) -> Path | None:
     """``<root>/<model>-suffix-corpus/corpus.safetensors`` under the first checkpoint root holding it."""
-    name = f"{model_stem(model_name)}-suffix-corpus"
-    for root in checkpoint_roots():
-        if (root / name / CORPUS_FILE).exists():
-            return root / name / CORPUS_FILE
-    return None
+    folder = shipped_folder(model_name, "suffix-corpus", CORPUS_FILE)
+    return None if folder is None else folder / CORPUS_FILE
 
 
 def answer_spans(input_ids: Sequence[int], loss_mask: Sequence[int]) -> list[list[int]]:
