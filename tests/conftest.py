@@ -1,5 +1,7 @@
 """Shared fixtures: the default target model is loaded once per test session, on the device named
-by ``VERISPEC_TEST_DEVICE`` (default "cpu"; e.g. "cuda" to run the suite on a GPU; CI stays CPU)."""
+by ``VERISPEC_TEST_DEVICE`` (default "cpu"; e.g. "cuda" to run the suite on a GPU; CI stays CPU).
+On a CPU it runs the engine's int4 fast path (``VERISPEC_TEST_WEIGHTS``; "dense" for fp32
+everywhere); modules compared with HF, server processes or llama.cpp bind dense fp32 ones."""
 from __future__ import annotations
 
 import json
@@ -41,11 +43,34 @@ def device() -> torch.device:
     return resolve_device(TEST_DEVICE)
 
 
+TEST_WEIGHTS = os.environ.get("VERISPEC_TEST_WEIGHTS", "int4")
+
+
 @pytest.fixture(scope="session")
-def target(device):
-    """SmolLM2-135M-Instruct (fp32) as a ``LoadedModel``: .model, .tokenizer, .config."""
+def dense_target(device):
+    """SmolLM2-135M-Instruct with its dense fp32 weights, as a ``LoadedModel``: for the tests that
+    compare against HF transformers or read the checkpoint's own weights."""
     from verispec.models.loading import load_model
     return load_model("smollm2-135m", dtype="float32", device=device)
+
+
+@pytest.fixture(scope="session")
+def session_target(device, request):
+    """SmolLM2-135M-Instruct as a ``LoadedModel`` (.model, .tokenizer, .config), with the suite's
+    weights: int4-packed on a CPU (``VERISPEC_TEST_WEIGHTS``, default int4: the engine's fast path,
+    whose few-token forwards give a one-token forward's bits; about 4x faster than dense fp32 on
+    one thread), dense fp32 on another device."""
+    if device.type != "cpu" or TEST_WEIGHTS == "dense":
+        return request.getfixturevalue("dense_target")
+    from verispec.models.loading import load_model
+    return load_model("smollm2-135m", dtype="float32", weights=TEST_WEIGHTS)
+
+
+@pytest.fixture(scope="session")
+def target(session_target):
+    """``session_target``, under the name the tests use; a module may bind its own (dense) one
+    (``helpers.dense_module_fixtures``), which the session fixtures below never see."""
+    return session_target
 
 
 @pytest.fixture(scope="session")
@@ -66,17 +91,26 @@ def llm(target):
 
 
 @pytest.fixture(scope="session")
+def dense_llm(dense_target):
+    """An ``LLM`` on the dense fp32 target: the reference of tests that compare against a server
+    or CLI process, which load their own (dense) weights."""
+    from verispec import LLM
+    return LLM(loaded=dense_target)
+
+
+
+@pytest.fixture(scope="session")
 def spec_bench():
     from verispec.data import spec_bench_questions
     return spec_bench_questions()
 
 
 @pytest.fixture(scope="session")
-def chat_prompts(target, spec_bench):
+def chat_prompts(session_target, spec_bench):
     """Token ids of Spec-Bench first turns with the chat template applied, one per category first."""
     from verispec.data import per_category
     qs = per_category(spec_bench, 2)
-    tok = target.tokenizer
+    tok = session_target.tokenizer
     out = []
     for q in qs:
         text = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
@@ -93,11 +127,11 @@ def head_prompts(chat_prompts):
 
 
 @pytest.fixture(scope="session")
-def head_vanilla(target, head_prompts):
+def head_vanilla(session_target, head_prompts):
     """Vanilla greedy continuations (``HEAD_TOKENS``) of ``head_prompts``: the heads' reference."""
     from helpers import HEAD_TOKENS
     from verispec import LLM, SamplingParams
-    outs = LLM(loaded=target, max_num_seqs=4).generate(
+    outs = LLM(loaded=session_target, max_num_seqs=4).generate(
         [{"prompt_token_ids": p} for p in head_prompts], SamplingParams(temperature=0.0, max_tokens=HEAD_TOKENS))
     return [o.token_ids for o in outs]
 

@@ -1,6 +1,7 @@
 """Test helpers: greedy comparison that reports numerical ties instead of hiding them."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 TIE_MARGIN = 1e-4
@@ -173,3 +174,19 @@ def int8_group_quantised(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     amax = g.abs().amax(-1, keepdim=True)
     q = torch.round(g * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).clamp(-127, 127)
     return (q * amax / 127).reshape(x.shape)
+
+
+def dense_module_fixtures():
+    """``target`` and ``llm`` fixtures on the dense fp32 weights, for a test module to bind
+    (``target, llm = dense_module_fixtures()``): modules that compare against HF transformers,
+    server processes or llama.cpp, or whose answers must not change with the batch or a prefix-cache
+    hit (the int4 path rounds activations to bf16, so two float paths that differ in the last bit
+    can move a logit by 1e-2; the engine's own decode and verify forwards give the same bits)."""
+    @pytest.fixture(scope="module")
+    def target(dense_target):
+        return dense_target
+
+    @pytest.fixture(scope="module")
+    def llm(dense_llm):
+        return dense_llm
+    return target, llm

@@ -13,6 +13,10 @@ from verispec.bench.peers import stats_from_forwards
 from verispec.bench.report import PLOTS, write_report
 from verispec.bench.runner import BenchConfig, Group, Turn, make_groups, resolve_methods, run_benchmark
 from verispec.core.metrics import SpecStats
+from helpers import dense_module_fixtures  # noqa: E402
+
+target, llm = dense_module_fixtures()   # the suite's configs name dense weights
+
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FILES = ("results.json", "report.md") + PLOTS

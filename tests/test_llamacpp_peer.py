@@ -10,6 +10,10 @@ import pytest
 from verispec import SamplingParams
 from verispec.bench import BenchError
 from verispec.bench.runner import BenchConfig, build_runners, resolve_methods, run_benchmark
+from helpers import dense_module_fixtures  # noqa: E402
+
+
+target, llm = dense_module_fixtures()   # compared with llama.cpp on the same GGUF
 
 
 def test_llamacpp_methods_resolve_with_their_defaults():

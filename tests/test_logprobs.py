@@ -127,14 +127,15 @@ def test_n_outputs_per_prompt_like_vllm(target):
         SamplingParams(n=0)
 
 
-def test_cli_generate_json_with_logprobs_and_penalties(capsys, llm):
+def test_cli_generate_json_with_logprobs_and_penalties(capsys, dense_llm):
     from verispec.cli import main
     argv = ["generate", "--prompt", "The sky is", "--max-tokens", "6", "--json", "--logprobs", "2",
             "--repetition-penalty", "1.2", "--speculative-config", '{"method": "ngram"}',
-            "--weights", "dense"]                  # the reference ``llm`` is dense (the CLI's default is auto)
+            "--weights", "dense"]                  # the reference is dense (the CLI's default is auto)
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    want = llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.2, logprobs=2))[0]
+    want = dense_llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.2,
+                                                       logprobs=2))[0]
     assert out["token_ids"] == want.token_ids
     assert [e["token_id"] for e in out["logprobs"]] == want.token_ids and all(len(e["top"]) == 2 for e in out["logprobs"])
     assert main(["generate", "--prompt", "x", "--min-p", "3"]) == 2

@@ -4,9 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_same_or_tie
+from helpers import assert_same_or_tie, dense_module_fixtures
 from verispec import LLM, SamplingParams
 from verispec.models.kv_cache import KVCache
+
+
+target, llm = dense_module_fixtures()   # compared with HF transformers
 
 
 @pytest.fixture(scope="module")

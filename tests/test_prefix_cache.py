@@ -10,13 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_same_or_tie, tiny_llama
+from helpers import assert_same_or_tie, dense_module_fixtures, tiny_llama
 from verispec import LLM, SamplingParams
 from verispec.drafting import StatelessDrafter
 from verispec.core.engine import Engine, Sequence
 from verispec.models.kv_cache import KVCache
 from verispec.core.prefix_cache import CacheLayout, PrefixCache, block_keys, num_positions
 from verispec.core.tree import DraftTree
+
+target, llm = dense_module_fixtures()   # greedy answers equal with and without cache hits
+
 
 BS = 4                                   # block size of the unit tests
 LAYOUT = CacheLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)

@@ -33,6 +33,9 @@ from verispec.core.engine import Engine, Sequence  # noqa: E402
 from verispec.serve.app import ServeConfig, create_app  # noqa: E402
 from verispec.serve.policy import TablePolicy  # noqa: E402  (the estimator's tests: test_draft_budget.py)
 from verispec.core.tree import DraftTree  # noqa: E402
+from helpers import dense_module_fixtures  # noqa: E402
+
+target, llm = dense_module_fixtures()   # references for server processes, which load dense weights
 
 MODEL = "smollm2-135m"
 KEY = "sk-test-7f3a"

@@ -295,7 +295,8 @@ def test_the_constrained_test_detects_a_biased_engine(compiler, target, single_t
 
 
 # ---------------------------------------------------------------------------- HTTP, the openai client
-def test_openai_client_response_format_json_schema_streamed_and_not(llm):
+def test_openai_client_response_format_json_schema_streamed_and_not(dense_llm):
+    llm = dense_llm                                       # the server process loads dense weights
     from test_serve import ServerProcess
     srv = ServerProcess("--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4}),
                         "--max-num-seqs", "4", "--max-model-len", "1024")
