@@ -94,7 +94,7 @@ SUITES: tuple[Suite, ...] = (
                                                         "llamacpp-pld"), 2, "spec_bench/exact_int4_smollm2",
                "Spec-Bench by method on SmolLM2 int4, against llama.cpp (vanilla and prompt lookup)"),
     spec_bench("specbench-smollm2-heads-int4", SMOL, "int4", ("vanilla", "eagle3", "medusa", "eagle", "suffix",
-                                                              "hybrid", "ngram-x1"), 2,
+                                                              "hybrid", "ngram-x1"), 4,
                "spec_bench/heads_int4_smollm2",
                "the learned heads, suffix and hybrid on SmolLM2's fast path (int4 + compile), modelled vs measured",
                needs=()),
