@@ -90,7 +90,7 @@ def build_all() -> dict[str, str | None]:
     why not. ``make`` runs it at set-up (``verispec models build-ops``), so that the first model
     load, test run or server start does not spend a minute or more compiling C++."""
     from ..models import attention, fp16_kernel, int4, int8
-    return {m._OP.name: m._OP.reason() for m in (int4, fp16_kernel, attention, int8)}
+    return {m._OP.name: m.unavailable_reason() for m in (int4, fp16_kernel, attention, int8)}
 
 
 def cmd_build_ops(args: argparse.Namespace) -> int:
